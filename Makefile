@@ -1,0 +1,34 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates .venv from requirements.txt when it is missing (or older than requirements.txt).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.requirements-installed
+
+# `make test` skips the slow end-to-end tests (minutes each); CI (CI=true) and `make test-all` run them.
+ifeq ($(CI),true)
+PYTEST_SELECT :=
+else
+PYTEST_SELECT := -m "not slow"
+endif
+
+.PHONY: demo test test-all venv clean
+
+venv: $(INSTALLED)
+
+$(INSTALLED): requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	@touch $@
+
+demo: $(INSTALLED)
+	PYTHON=$(PY) bash run_scripts/demo.sh
+
+test: $(INSTALLED)
+	$(PY) -m pytest tests $(PYTEST_SELECT)
+
+test-all: $(INSTALLED)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf runs data/digits .pytest_cache tests/.pytest_cache .hypothesis tests/.hypothesis
