@@ -1,0 +1,311 @@
+"""The one command-line parser of every entry script, its value checks, and
+the wrapper that turns a user's mistake into one line and exit status 2.
+
+`parse(mode, argv)` returns a frozen `Config`: every option resolved and
+checked, nothing left for later code to second-guess. Flags keep the
+spellings users know from the ImageNet reference scripts (pytorch/examples).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Tuple
+
+# The parallelism modes, one per entry script.
+MODES = ("nd", "dp", "ddp", "ddp_apex")
+
+_DESCRIPTIONS = {
+    "nd": "Train and validate an ImageNet classifier on one device (a GPU, or the CPU).",
+    "dp": "Train and validate an ImageNet classifier with nn.DataParallel over the visible GPUs.",
+    "ddp": "Train and validate an ImageNet classifier with DistributedDataParallel.",
+    "ddp_apex": "DistributedDataParallel training with mixed precision (Apex-style --opt-level).",
+}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix (a flag, a path, a dataset): reported as one
+    line naming the flag or path, with exit status 2 and no traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every resolved option of one run. Frozen: code reads it, never edits it."""
+
+    mode: str
+    data: Optional[str]
+    arch: str
+    pretrained: bool
+    channels_last: bool
+    workers: int
+    image_size: int
+    val_resize: int
+    crop_scale: Tuple[float, float]  # area fraction range of the random training crop
+    hflip: float  # probability of a horizontal flip in training
+    synthetic: bool
+    epochs: int
+    start_epoch: int
+    batch_size: int  # per process (per device); the global batch is batch_size x world size
+    lr: float  # for a global batch of 256; scaled linearly to the real global batch
+    momentum: float
+    weight_decay: float
+    label_smoothing: float
+    lr_schedule: str
+    lr_steps: Tuple[int, ...]
+    warmup_epochs: float
+    print_freq: int
+    resume: Optional[str]
+    evaluate: bool
+    seed: int
+    desired_acc: Optional[float]  # percent, 0 < x <= 100
+    logdir: str
+    run_name: Optional[str]
+    steps_per_epoch: int
+    device: str
+    opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- argparse value types: their messages are prefixed with the flag's name ---
+
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    def parse_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse_int
+
+
+positive_int = _int_at_least(1, "a positive integer")
+non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def _float_in(low: float, high: float, low_open: bool, high_open: bool, what: str) -> Callable[[str], float]:
+    def parse_float(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if value != value or too_low or too_high:  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse_float
+
+
+positive_float = _float_in(0.0, float("inf"), True, True, "a positive number")
+non_negative_float = _float_in(0.0, float("inf"), False, True, "a number >= 0")
+unit_interval = _float_in(0.0, 1.0, False, True, "a number in [0, 1)")
+
+
+def percent(text: str) -> float:
+    """--desired-acc: 0.75 and 75 both mean 75% (values <= 1 are fractions)."""
+    value = _float_in(0.0, 100.0, True, False, "an accuracy in (0, 1] or (1, 100]")(text)
+    return value * 100.0 if value <= 1.0 else value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse calls this for every parse error
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser(mode: str) -> argparse.ArgumentParser:
+    from common.models import available_architectures  # torchvision import: only when parsing
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    archs = available_architectures()
+    parser = _Parser(
+        prog=os.path.basename(sys.argv[0]) or f"imagenet_{mode}.py",
+        description=_DESCRIPTIONS[mode],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # abbreviations turn ambiguous as flags are added
+    )
+    parser.add_argument(
+        "data", metavar="DATA", nargs="?", default=None,
+        help="dataset folder holding train/<class>/<images> and val/<class>/<images> "
+             "(may be omitted with --synthetic)",
+    )
+
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "-a", "--arch", metavar="ARCH", default="resnet50",
+        help="any torchvision classification model: " + ", ".join(archs),
+    )
+    group.add_argument("--pretrained", action="store_true",
+                       help="start from torchvision's ImageNet weights (from the local torch hub cache, "
+                            "or downloaded; the last linear layer is replaced when the class count differs)")
+    group.add_argument("--channels-last", action="store_true",
+                       help="model and input batches in channels-last memory format (faster with "
+                            "tensor cores and mixed precision)")
+
+    group = parser.add_argument_group("data")
+    group.add_argument("-j", "--workers", type=non_negative_int, default=4, metavar="N",
+                       help="data-loading worker processes per training process")
+    group.add_argument("--image-size", type=positive_int, default=224, metavar="PIXELS",
+                       help="side of the square training crop and of the validation centre crop")
+    group.add_argument("--val-resize", type=positive_int, default=256, metavar="PIXELS",
+                       help="validation images are resized so their short side is this, then centre-cropped")
+    group.add_argument("--crop-scale", type=_float_in(0.0, 1.0, True, False, "a fraction in (0, 1]"), nargs=2,
+                       default=[0.08, 1.0], metavar=("MIN", "MAX"),
+                       help="range of the image-area fraction the random training crop covers (the ImageNet "
+                            "recipe's 0.08 1; small images such as the demo's digits want a milder range)")
+    group.add_argument("--hflip", type=_float_in(0.0, 1.0, False, False, "a probability in [0, 1]"), default=0.5,
+                       metavar="PROB", help="probability of flipping a training image horizontally "
+                                            "(0 where mirror images mean something else, as with digits)")
+    group.add_argument("--synthetic", action="store_true",
+                       help="random tensors instead of images (no disk I/O), for benchmarking; DATA may be "
+                            "omitted. Validation then covers 10 batches per process")
+
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--epochs", type=positive_int, default=90, metavar="N", help="total epochs to run")
+    group.add_argument("--start-epoch", type=non_negative_int, default=0, metavar="N",
+                       help="epoch number to start at (0-based; --resume sets it from the checkpoint)")
+    group.add_argument("-b", "--batch-size", type=positive_int, default=128, metavar="N",
+                       help="images per step per device (per process); the global batch is this x world size")
+    group.add_argument("--lr", "--learning-rate", dest="lr", type=positive_float, default=0.1, metavar="LR",
+                       help="learning rate for a global batch of 256, scaled linearly to the real global "
+                            "batch (use 0.01 for AlexNet and VGG)")
+    group.add_argument("--momentum", type=unit_interval, default=0.9, metavar="M", help="SGD momentum")
+    group.add_argument("--wd", "--weight-decay", dest="weight_decay", type=non_negative_float, default=1e-4,
+                       metavar="W", help="weight decay")
+    group.add_argument("--label-smoothing", type=unit_interval, default=0.0, metavar="EPS",
+                       help="label smoothing of the cross-entropy loss")
+
+    group = parser.add_argument_group("learning-rate schedule")
+    group.add_argument("--lr-schedule", choices=("step", "cosine"), default="step",
+                       help="step: x0.1 at each of --lr-steps; cosine: half-cosine to 0 over the epochs "
+                            "after warm-up")
+    group.add_argument("--lr-steps", type=positive_int, nargs="+", default=[30, 60, 80], metavar="EPOCH",
+                       help="epochs at which the step schedule multiplies the rate by 0.1")
+    group.add_argument("--warmup-epochs", type=non_negative_float, default=0.0, metavar="E",
+                       help="linear warm-up from lr/steps to lr over this many epochs, per step "
+                            "(5 is usual for global batches above 1024)")
+
+    group = parser.add_argument_group("run")
+    group.add_argument("-p", "--print-freq", type=positive_int, default=10, metavar="N",
+                       help="print a progress line every N steps")
+    group.add_argument("--resume", default=None, metavar="PATH",
+                       help="continue from a checkpoint (model, optimizer, schedule, epoch, best accuracy, "
+                            "RNG state); logs continue in the checkpoint's run directory")
+    group.add_argument("-e", "--evaluate", action="store_true",
+                       help="only validate (the --resume checkpoint or the --pretrained weights) and exit")
+    group.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
+                       help="seed of initialisation, data order and augmentation")
+    group.add_argument("--desired-acc", type=percent, default=None, metavar="ACC",
+                       help="stop once validation top-1 reaches this (0.75 and 75 both mean 75%%)")
+    group.add_argument("--logdir", default="runs", metavar="DIR",
+                       help="run directories (config.json, metrics.csv, TensorBoard, checkpoints) go here")
+    group.add_argument("--run-name", default=None, metavar="NAME",
+                       help="name of the run directory (default: <Mon><DD>_<HH-MM-SS>_<host>_<arch>_"
+                            "<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>)")
+    group.add_argument("--steps-per-epoch", type=non_negative_int, default=0, metavar="N",
+                       help="stop each epoch's training after N steps (0 = the whole epoch); "
+                            "validation still covers the whole val set")
+    group.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help="auto: CUDA when a GPU is visible, else the CPU")
+    return parser
+
+
+def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
+    """Parse and check the command line of the `mode` entry script."""
+    parser = build_parser(mode)
+    ns = parser.parse_args(argv)
+    _check_values(ns)
+    return Config(
+        mode=mode,
+        data=ns.data,
+        arch=ns.arch,
+        pretrained=ns.pretrained,
+        channels_last=ns.channels_last,
+        workers=ns.workers,
+        image_size=ns.image_size,
+        val_resize=ns.val_resize,
+        crop_scale=tuple(ns.crop_scale),
+        hflip=ns.hflip,
+        synthetic=ns.synthetic,
+        epochs=ns.epochs,
+        start_epoch=ns.start_epoch,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        momentum=ns.momentum,
+        weight_decay=ns.weight_decay,
+        label_smoothing=ns.label_smoothing,
+        lr_schedule=ns.lr_schedule,
+        lr_steps=tuple(ns.lr_steps),
+        warmup_epochs=ns.warmup_epochs,
+        print_freq=ns.print_freq,
+        resume=ns.resume,
+        evaluate=ns.evaluate,
+        seed=ns.seed,
+        desired_acc=ns.desired_acc,
+        logdir=ns.logdir,
+        run_name=ns.run_name,
+        steps_per_epoch=ns.steps_per_epoch,
+        device=ns.device,
+    )
+
+
+def _check_values(ns: argparse.Namespace) -> None:
+    """Checks across flags and on paths: each failure names its flag or path."""
+    from common.models import available_architectures
+
+    archs = available_architectures()
+    if ns.arch not in archs:
+        close = difflib.get_close_matches(ns.arch, archs, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise UsageError(f"argument -a/--arch: unknown architecture {ns.arch!r}{hint} (see --help for the list)")
+    if ns.start_epoch >= ns.epochs:
+        raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
+    if ns.val_resize < ns.image_size:
+        raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than --image-size {ns.image_size}")
+    if ns.crop_scale[0] > ns.crop_scale[1]:
+        raise UsageError(f"argument --crop-scale: MIN {ns.crop_scale[0]:g} is above MAX {ns.crop_scale[1]:g}")
+    if list(ns.lr_steps) != sorted(set(ns.lr_steps)):
+        raise UsageError(f"argument --lr-steps: epochs must be increasing, got {' '.join(map(str, ns.lr_steps))}")
+    if ns.warmup_epochs > ns.epochs:
+        raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
+    if ns.run_name is not None and (not ns.run_name or os.sep in ns.run_name or ns.run_name in (".", "..")):
+        raise UsageError(f"argument --run-name: {ns.run_name!r} must be a plain folder name")
+    if ns.resume is not None:
+        resume = Path(ns.resume)
+        if not resume.is_file():
+            raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
+        if not os.access(resume, os.R_OK):
+            raise UsageError(f"argument --resume: cannot read {resume} (permission denied)")
+    if ns.synthetic:
+        return
+    if ns.data is None:
+        raise UsageError("DATA: missing; give the dataset folder (holding train/ and val/), or use --synthetic")
+    root = Path(ns.data)
+    if not root.is_dir():
+        raise UsageError(f"DATA {root}: no such directory")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
+
+
+def run(main: Callable[[], object]) -> None:
+    """Run an entry script's main(): a UsageError becomes one line on stderr
+    and exit status 2; Ctrl-C exits with 130 without a traceback."""
+    prog = os.path.basename(sys.argv[0])
+    try:
+        main()
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -1,0 +1,156 @@
+"""The one training loop: train_one_epoch, validate and fit, for every script.
+
+The entry scripts differ only in how the model is wrapped and how the
+processes find each other; everything here runs unchanged for one device,
+DataParallel and DDP. Metrics stay on the device as sums during an epoch;
+the host reads them only at print intervals and once per epoch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from common import checkpoint
+from common.checkpoint import ResumePoint
+from common.data import Loaders
+from common.distributed import Context
+from common.meters import EpochMetrics, MetricSums
+from common.schedules import LRSchedule, set_lr
+from common.telemetry import RunLog
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every GPU): initialisation is a
+    function of the seed; data order and augmentation are seeded per epoch
+    by the loaders."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    epochs_run: int
+    seconds: float  # wall time of this call, validation and checkpoints included
+    best_acc1: float
+    best_epoch: Optional[int]
+    last_val: Optional[EpochMetrics]
+    desired_acc_reached_seconds: Optional[float]  # since this call started, when --desired-acc was reached
+
+
+@dataclasses.dataclass
+class Trainer:
+    model: nn.Module  # as the script wrapped it (plain, DataParallel or DDP)
+    criterion: nn.Module
+    optimizer: Optimizer
+    schedule: LRSchedule
+    precision: object  # a common.precision policy
+    ctx: Context
+    log: RunLog
+    print_freq: int = 10
+    channels_last: bool = False
+    steps_per_epoch: int = 0  # 0: whole epochs
+
+    def _to_device(self, images: torch.Tensor, target: torch.Tensor):
+        images = images.to(self.ctx.device, non_blocking=True)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, target.to(self.ctx.device, non_blocking=True)
+
+    def _should_print(self, step: int, steps: int) -> bool:
+        return self.log.is_primary and ((step + 1) % self.print_freq == 0 or step + 1 == steps)
+
+    def train_one_epoch(self, loaders: Loaders, epoch: int) -> EpochMetrics:
+        self.model.train()
+        steps = loaders.train_steps(self.steps_per_epoch)
+        sums = MetricSums(self.ctx.device)
+        progress = self.log.progress_meter("train", epoch, steps, self.ctx.world_size)
+        data_wait_seconds = 0.0
+        lr = None
+        start = step_end = time.perf_counter()
+        for step, (images, target) in enumerate(itertools.islice(loaders.train, steps)):
+            data_wait_seconds += time.perf_counter() - step_end
+            images, target = self._to_device(images, target)
+            lr = self.schedule.lr(epoch, step, steps)
+            set_lr(self.optimizer, lr)
+            with self.precision.autocast():
+                logits = self.model(images)
+                loss = self.criterion(logits, target)
+            self.precision.backward_and_step(loss, self.optimizer)
+            sums.add(loss, logits, target)
+            if self._should_print(step, steps):
+                progress.show(step, sums.totals(), data_wait_seconds, lr)  # the one host sync per interval
+            step_end = time.perf_counter()
+        totals = sums.totals(self.ctx)  # summed over processes
+        seconds = time.perf_counter() - start
+        return EpochMetrics.from_totals(epoch, "train", totals, steps, seconds, data_wait_seconds, lr, time.time())
+
+    @torch.no_grad()
+    def validate(self, loader, epoch: int) -> EpochMetrics:
+        """Loss and top-1/top-5 over the whole validation set, each image
+        counted once whatever the number of processes."""
+        self.model.eval()
+        steps = len(loader)
+        sums = MetricSums(self.ctx.device)
+        progress = self.log.progress_meter("val", epoch, steps, self.ctx.world_size)
+        data_wait_seconds = 0.0
+        start = step_end = time.perf_counter()
+        for step, (images, target) in enumerate(loader):
+            data_wait_seconds += time.perf_counter() - step_end
+            images, target = self._to_device(images, target)
+            with self.precision.autocast():
+                logits = self.model(images)
+                loss = self.criterion(logits, target)
+            sums.add(loss, logits, target)
+            if self._should_print(step, steps):
+                progress.show(step, sums.totals(), data_wait_seconds, None)
+            step_end = time.perf_counter()
+        totals = sums.totals(self.ctx)
+        seconds = time.perf_counter() - start
+        return EpochMetrics.from_totals(epoch, "val", totals, steps, seconds, data_wait_seconds, None, time.time())
+
+    def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, *, arch: str, config: dict,
+            desired_acc: Optional[float] = None) -> FitResult:
+        """Train and validate epochs start.start_epoch .. epochs-1; after each,
+        log the metrics and save a checkpoint (primary process only). Stops
+        early once validation top-1 reaches `desired_acc` (percent)."""
+        best_acc1, best_epoch = start.best_acc1, start.best_epoch
+        last_val = None
+        reached_seconds = None
+        fit_start = time.perf_counter()
+        epochs_run = 0
+        if start.start_epoch >= epochs:
+            self.log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
+        for epoch in range(start.start_epoch, epochs):
+            loaders.set_epoch(epoch)
+            train = self.train_one_epoch(loaders, epoch)
+            last_val = self.validate(loaders.val, epoch)
+            epochs_run += 1
+            is_best = last_val.top1 > best_acc1
+            if is_best:
+                best_acc1, best_epoch = last_val.top1, epoch
+            self.log.epoch_end(train, last_val, best_acc1, best_epoch)
+            if self.log.is_primary:
+                state = checkpoint.training_state(
+                    model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(),
+                    next_epoch=epoch + 1, best_acc1=best_acc1, best_epoch=best_epoch, arch=arch,
+                    classes=loaders.classes, config=config,
+                )
+                checkpoint.save(state, self.log.run_dir, is_best)
+            if desired_acc is not None and last_val.top1 >= desired_acc:
+                reached_seconds = time.perf_counter() - fit_start
+                self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {last_val.top1:.2f}%) "
+                              f"at epoch {epoch} after {reached_seconds:.1f} s: stopping")
+                break
+        result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start, best_acc1=best_acc1,
+                           best_epoch=best_epoch, last_val=last_val, desired_acc_reached_seconds=reached_seconds)
+        self.log.finish(result)
+        return result

@@ -1,0 +1,82 @@
+"""Model builders over torchvision.models: any classification architecture,
+from scratch or from torchvision's ImageNet weights, and the helper that
+finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import List
+from urllib.parse import urlparse
+
+import torch
+import torchvision
+from torch import nn
+
+from common.cli import UsageError
+
+# Models whose auxiliary heads torchvision turns on by default: the training
+# loop expects one logits tensor, so the auxiliary classifiers are switched off.
+_AUX_LOGITS_ARCHS = ("googlenet", "inception_v3")
+
+
+@functools.lru_cache(maxsize=1)
+def available_architectures() -> List[str]:
+    """Names of torchvision's image classification models (torchvision.models
+    itself, not its detection/segmentation/video/optical-flow submodules)."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """A torchvision classifier with `num_classes` outputs.
+
+    With `pretrained`, torchvision's default ImageNet weights are loaded from
+    the torch hub cache (downloaded when the machine can); if the class count
+    is not 1000 the last linear layer is replaced by a new, randomly
+    initialised one, so the weights serve as a start for fine-tuning.
+    """
+    if arch not in available_architectures():
+        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r} (see --help for the list)")
+    kwargs = {"aux_logits": False} if arch in _AUX_LOGITS_ARCHS else {}
+    if not pretrained:
+        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    try:
+        model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+    except Exception as error:  # no network, proxy refusal, partial download: all end the same way
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(
+            f"argument --pretrained: the {arch} weights are not in {cached} and could not be downloaded "
+            f"({reason}); copy {weights.url} there from a machine with internet access"
+        ) from None
+    if num_classes != len(weights.meta["categories"]):
+        _replace_last_linear(model, num_classes)
+    return model
+
+
+def _replace_last_linear(model: nn.Module, num_classes: int) -> None:
+    """Swap the final nn.Linear (the classifier head in torchvision's models)
+    for a fresh one with `num_classes` outputs."""
+    linear_names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if not linear_names:
+        raise UsageError(
+            f"argument --pretrained: {type(model).__name__} has no linear classifier layer to resize to "
+            f"{num_classes} classes; train it from scratch instead"
+        )
+    parent_name, _, child_name = linear_names[-1].rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child_name)
+    setattr(parent, child_name, nn.Linear(old.in_features, num_classes, bias=old.bias is not None))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DataParallel, DistributedDataParallel and
+    torch.compile wrappers: what checkpoints save, so any script can load them."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model

@@ -1,0 +1,251 @@
+"""What a run tells the world: progress lines, the run directory, config.json,
+metrics.csv and TensorBoard scalars. Only the primary process prints or
+writes; on the others every call is a no-op.
+
+A run directory holds everything about one run:
+  config.json         every resolved option, the command, host, versions, device
+  resumes.jsonl       one line per --resume into this directory (append-only)
+  metrics.csv         one row per epoch and split (columns: meters.EpochMetrics)
+  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based)
+  checkpoint.pth.tar, model_best.pth.tar
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torchvision
+
+from common.checkpoint import CHECKPOINT_NAME
+from common.cli import Config, UsageError
+from common.distributed import Context
+from common.meters import EpochMetrics, MetricTotals
+
+METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
+
+# TensorBoard tag -> EpochMetrics field, per split; tags as in the upstream reference logs.
+_SCALARS = {
+    "train": {"Loss/train": "loss", "Top1/train": "top1", "Top5/train": "top5",
+              "Throughput/train": "images_per_second", "Time/train": "seconds_per_step",
+              "Data/wait_fraction": "data_wait_fraction", "Lr": "lr"},
+    "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5",
+            "Throughput/val": "images_per_second", "Time/val": "seconds_per_step"},
+}
+
+
+def environment(ctx: Context) -> dict:
+    """Host, versions and hardware, for config.json and RESULTS.md."""
+    cuda = torch.cuda.is_available()
+    return {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device": ctx.device_name(),
+        "gpus_visible": torch.cuda.device_count() if cuda else 0,
+        "cpu_count": os.cpu_count(),
+        "world_size": ctx.world_size,
+    }
+
+
+def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
+    """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
+    the upstream convention (cpu<workers> counts data-loading workers)."""
+    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.world_size}"
+            f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
+
+
+def _run_directory(cfg: Config, ctx: Context) -> Path:
+    """Where this run writes. --resume continues in the checkpoint's own run
+    directory; a new run never reuses an existing directory."""
+    logdir = Path(cfg.logdir)
+    if cfg.resume and cfg.run_name is None:
+        resumed = Path(cfg.resume).resolve().parent
+        if (resumed / "config.json").is_file():
+            return resumed
+    if cfg.run_name is not None:
+        run_dir = logdir / cfg.run_name
+        if run_dir.exists() and not (cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve()):
+            raise UsageError(f"argument --run-name: {run_dir} already exists; continue it with "
+                             f"--resume {run_dir / CHECKPOINT_NAME} or choose another name")
+        return run_dir
+    host = socket.gethostname().split(".")[0]
+    name = default_run_name(cfg, ctx, datetime.datetime.now(), host)
+    run_dir, suffix = logdir / name, 1
+    while run_dir.exists():  # two runs started in the same second
+        suffix += 1
+        run_dir = logdir / f"{name}-{suffix}"
+    return run_dir
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+class ProgressMeter:
+    """Progress lines of one split of one epoch, printed by the primary process.
+    Loss and accuracy are running averages over this process's batches of
+    the epoch so far; images/s is over the last print interval, for all
+    processes (this process's rate x world size), and so is the share of
+    wall time spent waiting for the next batch."""
+
+    def __init__(self, split: str, epoch: int, steps: int, world_size: int):
+        self.split, self.epoch, self.steps, self.world_size = split, epoch, steps, world_size
+        self.width = len(str(steps))
+        self.last_time = time.perf_counter()
+        self.last_count = 0
+        self.last_data_wait_seconds = 0.0
+
+    def show(self, step: int, running: MetricTotals, data_wait_seconds: float, lr: Optional[float]) -> None:
+        now = time.perf_counter()
+        interval_seconds = max(now - self.last_time, 1e-9)
+        images_per_second = (running.count - self.last_count) * self.world_size / interval_seconds
+        data_wait_share = (data_wait_seconds - self.last_data_wait_seconds) / interval_seconds
+        self.last_time, self.last_count, self.last_data_wait_seconds = now, running.count, data_wait_seconds
+        line = (f"{self.split:5s} epoch {self.epoch} [{step + 1:{self.width}d}/{self.steps}]  "
+                f"loss {running.loss:.4f}  top1 {running.top1:6.2f}%  top5 {running.top5:6.2f}%  "
+                f"{images_per_second:8.1f} img/s  data wait {100 * data_wait_share:3.0f}%")
+        if lr is not None:
+            line += f"  lr {lr:.5f}"
+        print(line, flush=True)
+
+
+class _SilentProgress:
+    def show(self, *args, **kwargs) -> None:
+        pass
+
+
+class RunLog:
+    """Console, metrics.csv and TensorBoard sinks of one run."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.is_primary = ctx.is_primary
+        self.run_dir: Optional[Path] = None
+        self._writer = None  # TensorBoard SummaryWriter, opened by start_run
+
+    def info(self, message: str) -> None:
+        if self.is_primary:
+            print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        if self.is_primary:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    def progress_meter(self, split: str, epoch: int, steps: int, world_size: int):
+        return ProgressMeter(split, epoch, steps, world_size) if self.is_primary else _SilentProgress()
+
+    def start_run(self, cfg: Config, start_epoch: int, resolved: dict) -> Optional[Path]:
+        """Create (or, on --resume, reopen) the run directory and record the
+        run's configuration. Returns the directory (None off the primary)."""
+        if not self.is_primary:
+            return None
+        run_dir = _run_directory(cfg, self.ctx)
+        resuming = run_dir.exists()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"argument --logdir: cannot create {run_dir} ({error.strerror})") from None
+        self.run_dir = run_dir
+        record = {
+            "command": shlex.join([sys.executable] + sys.argv),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "start_epoch": start_epoch,
+            "options": cfg.to_dict(),
+            "resolved": resolved,
+            "environment": environment(self.ctx),
+        }
+        if resuming:
+            with open(run_dir / "resumes.jsonl", "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self._keep_metrics_before(start_epoch)
+        else:
+            with open(run_dir / "config.json", "w") as handle:
+                json.dump(record, handle, indent=2)
+                handle.write("\n")
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+        # purge_step hides events of epochs that are now being redone; TensorBoard steps are 1-based epochs.
+        self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_epoch + 1 if resuming else None)
+        return run_dir
+
+    def _keep_metrics_before(self, start_epoch: int) -> None:
+        """On resume, metrics.csv keeps the rows of the epochs before the
+        checkpoint; rows of epochs that will be run again move to a backup."""
+        path = self.run_dir / "metrics.csv"
+        if not path.is_file():
+            return
+        with open(path, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        kept = [row for row in rows if int(row["epoch"]) < start_epoch]
+        if len(kept) == len(rows):
+            return
+        backup = path.with_name(f"metrics.before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}.csv")
+        os.replace(path, backup)
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
+            writer.writeheader()
+            writer.writerows(kept)
+        self.info(f"metrics.csv: rows of epochs >= {start_epoch} are run again; the old file is kept as {backup.name}")
+
+    def log_metrics(self, metrics: EpochMetrics) -> None:
+        """Append one row to metrics.csv and the split's TensorBoard scalars."""
+        if not self.is_primary or self.run_dir is None:
+            return
+        path = self.run_dir / "metrics.csv"
+        new_file = not path.is_file()
+        with open(path, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
+            if new_file:
+                writer.writeheader()
+            writer.writerow(dataclasses.asdict(metrics))
+        for tag, field in _SCALARS[metrics.split].items():
+            value = getattr(metrics, field)
+            if value is not None:
+                self._writer.add_scalar(tag, value, global_step=metrics.epoch + 1, walltime=metrics.wall_time)
+        self._writer.flush()
+
+    def epoch_end(self, train: EpochMetrics, val: EpochMetrics, best_acc1: float, best_epoch: Optional[int]) -> None:
+        self.log_metrics(train)
+        self.log_metrics(val)
+        self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
+                  f"| {train.images} images in {train.seconds:.1f} s: {train.images_per_second:.1f} img/s, "
+                  f"{train.seconds_per_step:.3f} s/step, data wait {100 * train.data_wait_fraction:.0f}%, "
+                  f"lr {train.lr:.5f}")
+        self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
+                  f"| {val.images} images in {val.seconds:.1f} s  | best top1 {best_acc1:.2f}% (epoch {best_epoch})")
+
+    def evaluation(self, val: EpochMetrics) -> None:
+        self.info(f"validation: loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
+                  f"({val.images} images in {val.seconds:.1f} s)")
+
+    def finish(self, result) -> None:
+        """The closing lines: how long, how good, and where everything is."""
+        if self._writer is not None:
+            self._writer.close()
+        if not self.is_primary or self.run_dir is None:
+            return
+        self.info(f"finished {result.epochs_run} epochs in {_format_duration(result.seconds)} "
+                  f"({result.seconds:.1f} s); best val top-1 {result.best_acc1:.2f}% at epoch {result.best_epoch}")
+        self.info(f"run directory: {self.run_dir}\n"
+                  f"  metrics:     {self.run_dir / 'metrics.csv'}\n"
+                  f"  config:      {self.run_dir / 'config.json'}\n"
+                  f"  checkpoints: {self.run_dir / CHECKPOINT_NAME} (best: model_best.pth.tar)\n"
+                  f"  TensorBoard: tensorboard --logdir {self.run_dir.parent}")
