@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny ImageFolder trees and a runner for the entry scripts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, val_per_class: int = 3,
+                      size: int = 24, seed: int = 0) -> Path:
+    """A learnable tree root/{train,val}/class_<c>/<i>.JPEG: each class has
+    its own mean colour, plus noise."""
+    rng = np.random.default_rng(seed)
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for label in range(classes):
+            folder = root / split / f"class_{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            colour = np.array([(60 + 80 * label) % 256, (200 - 70 * label) % 256, (40 * label) % 256])
+            for index in range(per_class):
+                pixels = np.clip(colour + rng.normal(0, 25, size=(size, size, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{index:03d}.JPEG", quality=90)
+    return root
+
+
+@pytest.fixture
+def tiny_data(tmp_path: Path) -> Path:
+    return make_image_folder(tmp_path / "data")
+
+
+def run_command(argv, cwd: Path = REPO, timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command from the repository root with no GPU visible (unless
+    env_extra says otherwise); returns the finished process, text output."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.update(env_extra or {})
+    return subprocess.run(list(map(str, argv)), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(args, **kwargs) -> subprocess.CompletedProcess:
+    """`python <args>` with this interpreter, as run_command."""
+    return run_command([sys.executable, *args], **kwargs)
+
+
+# Small and fast: 32-pixel crops, ResNet-18, one data worker (workers fixed, as resume tests need).
+FAST_ARGS = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped, with the reason shown, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,126 @@
+"""Every mistake a user can make on the command line or in the dataset: one
+line on stderr naming the flag or path, exit status 2, no traceback, and
+nothing written."""
+import pytest
+import torch
+
+from common.cli import UsageError, parse
+from conftest import FAST_ARGS, make_image_folder, run_script
+
+
+def assert_usage_error(result, *fragments):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("imagenet_nd.py: error: "), lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_data(tmp_path):
+    result = run_script(["imagenet_nd.py", "--logdir", tmp_path / "runs"])
+    assert_usage_error(result, "DATA: missing", "--synthetic")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_data_folder_does_not_exist(tmp_path):
+    assert_usage_error(run_script(["imagenet_nd.py", tmp_path / "nowhere"]), f"DATA {tmp_path / 'nowhere'}: no such directory")
+
+
+@pytest.mark.parametrize("missing", ["train", "val"])
+def test_data_without_split_folder(tmp_path, missing):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    for path in sorted((root / missing).rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (root / missing).rmdir()
+    assert_usage_error(run_script(["imagenet_nd.py", root]), f"no {missing}/ folder", str(root / missing))
+
+
+def test_class_folder_without_images(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    (root / "train" / "class_7").mkdir()
+    (root / "train" / "class_7" / "readme.txt").write_text("no images here")
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--logdir", tmp_path / "runs"])
+    assert_usage_error(result, str(root / "train" / "class_7"), "class folder has no images")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_arch_suggests_the_close_name(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    assert_usage_error(run_script(["imagenet_nd.py", root, "-a", "resnet51"]), "-a/--arch", "'resnet51'", "resnet50")
+
+
+@pytest.mark.parametrize("flag,value", [("-b", "0"), ("--batch-size", "-3"), ("--epochs", "0"), ("--epochs", "x")])
+def test_non_positive_batch_or_epochs(tmp_path, flag, value):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    name = "-b/--batch-size" if flag in ("-b", "--batch-size") else "--epochs"
+    assert_usage_error(run_script(["imagenet_nd.py", root, flag, value]), f"argument {name}: expected a positive integer")
+
+
+def test_resume_missing_file(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    missing = tmp_path / "nope.pth.tar"
+    assert_usage_error(run_script(["imagenet_nd.py", root, "--resume", missing]), "--resume", str(missing))
+
+
+@pytest.mark.parametrize("content", [b"", b"this is not a checkpoint", b"PK\x03\x04broken zip"])
+def test_resume_unreadable_file(tmp_path, content):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
+    damaged = tmp_path / "damaged.pth.tar"
+    damaged.write_bytes(content)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--resume", damaged, "--logdir", tmp_path / "runs"])
+    assert_usage_error(result, "--resume", str(damaged), "not a readable checkpoint")
+    assert damaged.read_bytes() == content
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_corrupt_jpeg_stops_the_run_naming_the_file(tmp_path, workers):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
+    bad = root / "train" / "class_1" / "002.JPEG"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated mid-scan
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-j", workers, "--epochs", "1",
+                         "--logdir", tmp_path / "runs"], timeout=120)
+    assert_usage_error(result, str(bad), "cannot decode image")
+
+
+def test_pretrained_weights_unavailable_offline(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    # An empty hub cache and a proxy that refuses at once: the download cannot succeed.
+    offline = {"TORCH_HOME": str(tmp_path / "torch-home"), "https_proxy": "http://127.0.0.1:9",
+               "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-b", "1", "--pretrained"], env_extra=offline, timeout=120)
+    assert_usage_error(result, "--pretrained", "resnet18", str(tmp_path / "torch-home"), "download.pytorch.org")
+
+
+def test_unknown_flag(tmp_path):
+    assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--bogus"]), "unrecognized arguments: --bogus")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--start-epoch", "5", "--epochs", "5"], "--start-epoch"),
+    (["--val-resize", "100", "--image-size", "224"], "--val-resize"),
+    (["--lr", "0"], "--lr"),
+    (["--momentum", "1.5"], "--momentum"),
+    (["--lr-steps", "60", "30"], "--lr-steps"),
+    (["--desired-acc", "150"], "--desired-acc"),
+    (["--desired-acc", "0"], "--desired-acc"),
+    (["--warmup-epochs", "9", "--epochs", "5"], "--warmup-epochs"),
+    (["--run-name", "a/b"], "--run-name"),
+    (["-j", "-1"], "-j/--workers"),
+])
+def test_value_checks_name_the_flag(argv, fragment):
+    with pytest.raises(UsageError, match=fragment.replace("-", r"\-")):
+        parse("nd", ["--synthetic", *argv])
+
+
+@pytest.mark.parametrize("text,percent", [("0.75", 75.0), ("75", 75.0), ("1", 100.0), ("100", 100.0), ("0.5", 50.0)])
+def test_desired_acc_accepts_fraction_or_percent(text, percent):
+    assert parse("nd", ["--synthetic", "--desired-acc", text]).desired_acc == pytest.approx(percent)
+
+
+def test_cuda_requested_without_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--device", "cuda"]), "--device")

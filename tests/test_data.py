@@ -1,0 +1,216 @@
+"""Data: folder scanning, class mapping, samplers, reproducible epochs, the
+demo and fake-ImageNet generators, and the unreadable-image policy."""
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from PIL import Image
+
+from common import data
+from common.cli import UsageError, parse
+from common.data import BadImageError, ShardSampler, build_loaders, load_rgb, scan_split
+from common.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
+from common.distributed import Context
+from conftest import FAST_ARGS, make_image_folder
+
+CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_scan_uses_train_classes_for_val(tmp_path):
+    root = make_image_folder(tmp_path, classes=3, train_per_class=2, val_per_class=1)
+    # val/ lacks class_0: indices must still follow train/'s mapping.
+    for path in (root / "val" / "class_0").iterdir():
+        path.unlink()
+    (root / "val" / "class_0").rmdir()
+    classes, train = scan_split(root / "train")
+    _, val = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
+    assert classes == ["class_0", "class_1", "class_2"]
+    assert [target for _, target in train] == [0, 0, 1, 1, 2, 2]
+    assert [target for _, target in val] == [1, 2]
+
+
+def test_scan_ignores_non_images_and_hidden_files_and_matches_extensions_case_insensitively(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=2, val_per_class=1)
+    folder = root / "train" / "class_0"
+    (folder / ".DS_Store").write_bytes(b"\0\0")
+    (folder / "notes.txt").write_text("not an image")
+    Image.new("RGB", (8, 8)).save(folder / "extra.png")
+    (root / "train" / ".hidden_class").mkdir()
+    classes, samples = scan_split(root / "train")
+    assert classes == ["class_0", "class_1"]
+    names = sorted(Path(path).name for path, target in samples if target == 0)
+    assert names == ["000.JPEG", "001.JPEG", "extra.png"]
+
+
+def test_scan_follows_symlinked_class_folders(tmp_path):
+    root = make_image_folder(tmp_path / "a", classes=2, train_per_class=3, val_per_class=1)
+    elsewhere = tmp_path / "elsewhere"
+    (root / "train" / "class_1").rename(elsewhere)
+    (root / "train" / "class_1").symlink_to(elsewhere, target_is_directory=True)
+    _, samples = scan_split(root / "train")
+    assert sum(1 for _, target in samples if target == 1) == 3
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=1, val_per_class=1)
+    (root / "train" / "class_9").mkdir()
+    with pytest.raises(UsageError, match=r"train/class_9: class folder has no images"):
+        scan_split(root / "train")
+
+
+def test_val_class_missing_from_train_is_named(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=1, val_per_class=1)
+    make_image_folder(tmp_path / "more", classes=3, train_per_class=1, val_per_class=1)
+    (tmp_path / "more" / "val" / "class_2").rename(root / "val" / "class_2")
+    with pytest.raises(UsageError, match=r"val/class_2: class 'class_2' is not among the classes of train/"):
+        scan_split(root / "val", {"class_0": 0, "class_1": 1})
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 9))
+def test_shard_sampler_counts_every_index_exactly_once(length, world_size):
+    shards = [list(ShardSampler(length, rank, world_size)) for rank in range(world_size)]
+    assert sorted(index for shard in shards for index in shard) == list(range(length))
+    assert [len(ShardSampler(length, rank, world_size)) for rank in range(world_size)] == [len(s) for s in shards]
+
+
+def _batches(loader, count=None):
+    return [(images.clone(), target.clone()) for images, target in list(loader)[:count]]
+
+
+def test_epoch_order_and_augmentation_depend_only_on_seed_and_epoch(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=6, val_per_class=1)
+    cfg = parse("nd", [str(root), *FAST_ARGS, "-j", "2"])
+    loaders = build_loaders(cfg, CPU)
+    loaders.set_epoch(0)
+    epoch0 = _batches(loaders.train)
+    loaders.set_epoch(1)
+    epoch1 = _batches(loaders.train)
+    # A fresh process-like state (new loaders, other global RNG) that jumps straight to epoch 1.
+    torch.manual_seed(12345)
+    again = build_loaders(cfg, CPU)
+    again.set_epoch(1)
+    epoch1_again = _batches(again.train)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(epoch1, epoch1_again))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(epoch0, epoch1))  # a new shuffle and new crops
+    assert len(epoch1) == 12 // 4  # drop_last with 12 images and -b 4
+
+
+def test_other_seed_changes_the_order(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=8, val_per_class=1)
+    cfg = parse("nd", [str(root), *FAST_ARGS, "-j", "0"])
+    orders = []
+    for seed in (0, 1):
+        loaders = build_loaders(dataclasses.replace(cfg, seed=seed), CPU)
+        loaders.set_epoch(0)
+        orders.append(list(loaders.train.sampler))
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(16))
+    assert orders[0] != orders[1]
+
+
+def test_batch_larger_than_the_training_set_is_refused(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=3, val_per_class=1)
+    cfg = parse("nd", [str(root), *FAST_ARGS, "-b", "7"])
+    with pytest.raises(UsageError, match=r"-b/--batch-size: 7 is more than the 6 training images"):
+        build_loaders(cfg, CPU)
+
+
+def test_synthetic_loaders_need_no_disk():
+    cfg = parse("nd", ["--synthetic", "-b", "8", "--image-size", "16", "--val-resize", "16", "-j", "0"])
+    loaders = build_loaders(cfg, CPU)
+    assert len(loaders.train.dataset) == data.IMAGENET_TRAIN_IMAGES
+    assert len(loaders.val.dataset) == data.SYNTHETIC_VAL_BATCHES * 8
+    assert loaders.num_classes == 1000
+    images, target = next(iter(loaders.val))
+    assert images.shape == (8, 3, 16, 16) and target.tolist() == list(range(8))
+
+
+def test_every_image_mode_becomes_rgb(tmp_path):
+    paths = {}
+    for mode in ("L", "RGBA", "CMYK", "P", "I;16"):
+        path = tmp_path / f"{mode.replace(';', '')}.{'jpg' if mode in ('L', 'CMYK') else 'png'}"
+        Image.new(mode, (5, 4)).save(path)
+        paths[mode] = path
+    png_named_jpeg = tmp_path / "really_png.JPEG"  # ImageNet has one: a PNG saved as .JPEG
+    Image.new("RGB", (5, 4), (1, 2, 3)).save(png_named_jpeg, format="PNG")
+    paths["png-as-jpeg"] = png_named_jpeg
+    for path in paths.values():
+        image = load_rgb(str(path))
+        assert image.mode == "RGB" and image.size == (5, 4)
+    assert load_rgb(str(png_named_jpeg)).getpixel((0, 0)) == (1, 2, 3)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zero-bytes", "garbage"])
+def test_unreadable_image_raises_one_line_naming_the_file(tmp_path, damage):
+    path = tmp_path / "bad.JPEG"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(path)
+    content = path.read_bytes()
+    path.write_bytes({"truncated": content[: len(content) // 2], "zero-bytes": b"",
+                      "garbage": b"GIF89a not really"}[damage])
+    with pytest.raises(BadImageError) as caught:
+        load_rgb(str(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path}: cannot decode image") and "\n" not in message
+
+
+def test_bad_image_error_survives_a_dataloader_worker(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=2, val_per_class=1)
+    bad = root / "val" / "class_1" / "000.JPEG"
+    bad.write_bytes(bad.read_bytes()[:100])
+    cfg = parse("nd", [str(root), *FAST_ARGS, "-b", "2", "-j", "1"])
+    loaders = build_loaders(cfg, CPU)
+    with pytest.raises(BadImageError) as caught:
+        list(loaders.val)
+    assert str(caught.value).startswith(f"{bad}: cannot decode image")
+    assert "\n" not in str(caught.value)
+
+
+def test_digits_dataset(tmp_path):
+    counts = write_digits(tmp_path / "digits")
+    assert counts == {"train": 1438, "val": 359}  # 1,797 images, 20% of each class to val/
+    root = tmp_path / "digits"
+    classes, train = scan_split(root / "train")
+    _, val = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
+    assert classes == DIGITS_CLASSES
+    assert len(train) == 1438 and len(val) == 359
+    per_class_val = np.bincount([target for _, target in val], minlength=10)
+    assert per_class_val.min() >= 35 and per_class_val.max() <= 37  # stratified: 178..183 per class x 0.2
+    assert not {Path(p).name for p, _ in train} & {Path(p).name for p, _ in val}  # disjoint
+    with Image.open(train[0][0]) as image:
+        assert image.format == "JPEG" and image.size == (64, 64)
+    # Same parameters: the folder is reused, not rewritten.
+    stamp = (root / "dataset.json").stat().st_mtime_ns
+    assert write_digits(root) == counts
+    assert (root / "dataset.json").stat().st_mtime_ns == stamp
+
+
+def test_dataset_writer_never_overwrites_a_foreign_folder(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "precious.txt").write_text("keep me")
+    with pytest.raises(UsageError, match="exists and is not a dataset"):
+        write_digits(tmp_path / "mine")
+    assert (tmp_path / "mine" / "precious.txt").read_text() == "keep me"
+    write_digits(tmp_path / "small", image_size=16)
+    with pytest.raises(UsageError, match="exists and is not a dataset written with these parameters"):
+        write_digits(tmp_path / "small", image_size=48)  # other parameters: refused, not rewritten
+    with Image.open(next((tmp_path / "small" / "train").rglob("*.JPEG"))) as image:
+        assert image.size == (16, 16)
+
+
+def test_fake_imagenet_is_imagenet_shaped(tmp_path):
+    counts = write_fake_imagenet(tmp_path / "fake", classes=2, train_per_class=5, val_per_class=2)
+    files = sorted((tmp_path / "fake").rglob("*.JPEG"))
+    assert len(files) == counts["train"] + counts["val"] == 14
+    sizes = [path.stat().st_size for path in files]
+    assert counts["bytes"] == sum(sizes)
+    assert 80_000 <= sum(sizes) / len(sizes) <= 130_000  # ImageNet's JPEGs average about 110 KB
+    for path in files:
+        with Image.open(path) as image:
+            assert image.format == "JPEG" and image.mode == "RGB"
+            assert 450 <= image.width <= 500 and 333 <= image.height <= 375
+    marker = json.loads((tmp_path / "fake" / "dataset.json").read_text())
+    assert marker["parameters"]["classes"] == 2

@@ -1,0 +1,72 @@
+"""Top-k accuracy and metric sums: exact counts on hand-made logits."""
+import math
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from common.distributed import Context
+from common.meters import EpochMetrics, MetricSums, MetricTotals, topk_correct
+
+# Four samples, six classes; the comment gives the rank of the target's logit.
+LOGITS = torch.tensor([
+    [0.1, 0.9, 0.0, 0.2, 0.3, 0.4],  # target 1: 1st
+    [0.8, 0.7, 0.1, 0.0, 0.2, 0.3],  # target 1: 2nd
+    [0.6, 0.5, 0.4, 0.3, 0.2, 0.1],  # target 5: 6th (last)
+    [0.5, 0.6, 0.7, 0.8, 0.2, 0.9],  # target 0: 5th
+])
+TARGET = torch.tensor([1, 1, 5, 0])
+
+
+def test_topk_counts_exact():
+    counts = topk_correct(LOGITS, TARGET, ks=(1, 2, 5, 6))
+    assert counts.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert counts.dtype == torch.float64
+
+
+def test_topk_with_k_above_class_count_counts_every_sample():
+    logits = torch.tensor([[0.2, 0.1, 0.7], [0.9, 0.05, 0.05]])
+    target = torch.tensor([1, 2])  # both last or second-to-last: wrong at top-1
+    assert topk_correct(logits, target, ks=(1, 5)).tolist() == [0.0, 2.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(0, 10_000))
+def test_topk_matches_rank_definition(batch, classes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, classes, generator=generator)  # continuous: no ties
+    target = torch.randint(0, classes, (batch,), generator=generator)
+    # rank of the target = number of classes with a strictly higher logit
+    ranks = (logits > logits.gather(1, target.view(-1, 1))).sum(dim=1)
+    for k in (1, 2, 5):
+        assert topk_correct(logits, target, ks=(k,)).item() == (ranks < k).sum().item()
+
+
+def test_metric_sums_are_sums_not_averages_of_averages():
+    sums = MetricSums(torch.device("cpu"))
+    # Batch of 4 with mean loss 2.0 (top-1: 1 hit, top-5: 3 hits), then batch of 1 with loss 7.0 (a top-1 hit).
+    sums.add(torch.tensor(2.0), LOGITS, TARGET)
+    sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]))
+    totals = sums.totals()
+    assert totals == MetricTotals(loss_sum=15.0, top1_correct=2, top5_correct=4, count=5)
+    assert totals.loss == 3.0  # (4 x 2 + 1 x 7) / 5, not (2 + 7) / 2
+    assert totals.top1 == 40.0 and totals.top5 == 80.0
+
+
+def test_totals_with_world_of_one_is_the_local_sum():
+    sums = MetricSums(torch.device("cpu"))
+    sums.add(torch.tensor(1.5), LOGITS, TARGET)
+    ctx = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert sums.totals(ctx) == sums.totals()
+    assert sums.totals(ctx).count == 4
+
+
+def test_epoch_metrics_rates():
+    totals = MetricTotals(loss_sum=10.0, top1_correct=3, top5_correct=4, count=4)
+    metrics = EpochMetrics.from_totals(2, "train", totals, steps=2, seconds=0.5, data_wait_seconds=0.125,
+                                       lr=0.1, wall_time=1.0)
+    assert (metrics.loss, metrics.top1, metrics.top5) == (2.5, 75.0, 100.0)
+    assert metrics.images_per_second == 8.0
+    assert metrics.seconds_per_step == 0.25
+    assert metrics.data_wait_fraction == 0.25
+    empty = MetricTotals(0.0, 0, 0, 0)
+    assert math.isnan(empty.top1) and math.isnan(empty.loss)

@@ -1,0 +1,137 @@
+"""imagenet_nd.py end to end on tiny data: exact step counts, the run
+directory, resume == uninterrupted, evaluation, --desired-acc, no overwrites."""
+import csv
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import imagenet_nd
+from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
+from conftest import FAST_ARGS, REPO, run_script
+
+
+def train(data, logdir, *extra):
+    imagenet_nd.main([str(data), *FAST_ARGS, "--logdir", str(logdir), *extra])
+    (run_dir,) = [path for path in logdir.iterdir() if path.is_dir()]
+    return run_dir
+
+
+def read_metrics(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def weights(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def max_abs_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
+
+
+def test_synthetic_command_runs_exactly_five_steps(tmp_path):
+    result = run_script([REPO / "imagenet_nd.py", "--synthetic", "-a", "resnet18", "-b", "32", "--epochs", "1",
+                         "--steps-per-epoch", "5", "--logdir", tmp_path / "runs"], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = read_metrics(run_dir)
+    assert [(row["epoch"], row["split"]) for row in rows] == [("0", "train"), ("0", "val")]
+    assert int(rows[0]["steps"]) == 5 and int(rows[0]["images"]) == 5 * 32
+    assert int(rows[1]["images"]) == 10 * 32  # the token validation pass of --synthetic
+    assert "train epoch 0 [5/5]" in result.stdout and "[6/" not in result.stdout
+    assert run_dir.name.endswith("_resnet18_cpux1_b32_cpu4_optO0")
+
+
+def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_data, tmp_path):
+    run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "2")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["options"]["arch"] == "resnet18" and config["options"]["batch_size"] == 4
+    assert config["resolved"]["lr"] == pytest.approx(0.1 * 4 / 256)
+    assert config["resolved"]["train_images"] == 24 and config["resolved"]["val_images"] == 9
+    assert config["resolved"]["steps_per_epoch"] == 6
+    assert config["environment"]["torch"] == torch.__version__ and config["environment"]["world_size"] == 1
+    assert "imagenet" in config["command"] or "pytest" in config["command"]
+
+    rows = read_metrics(run_dir)
+    assert [(row["epoch"], row["split"]) for row in rows] == [("0", "train"), ("0", "val"), ("1", "train"), ("1", "val")]
+    assert [int(row["images"]) for row in rows] == [24, 9, 24, 9]
+    for row in rows:
+        assert 0.0 <= float(row["top1"]) <= float(row["top5"]) <= 100.0
+        assert float(row["images_per_second"]) > 0
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    expected_tags = {"Loss/train", "Top1/train", "Top5/train", "Loss/val", "Top1/val", "Top5/val",
+                     "Throughput/train", "Throughput/val", "Time/train", "Lr"}
+    assert expected_tags <= set(events.Tags()["scalars"])
+    top1_val = events.Scalars("Top1/val")
+    assert [event.step for event in top1_val] == [1, 2]  # epochs completed, as in the upstream logs
+    assert top1_val[-1].value == pytest.approx(float(rows[3]["top1"]))
+
+    state = torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert state["epoch"] == 2 and state["arch"] == "resnet18"
+    assert state["classes"] == ["class_0", "class_1", "class_2"]
+    assert not any(key.startswith("module.") for key in state["state_dict"])
+    assert (run_dir / BEST_NAME).is_file()
+    assert not list(run_dir.glob(".*tmp*"))  # atomic writes leave no temporary files behind
+
+
+def test_resume_equals_an_uninterrupted_run(tiny_data, tmp_path):
+    uninterrupted = train(tiny_data, tmp_path / "full", "--epochs", "3")
+    first_two = train(tiny_data, tmp_path / "split", "--epochs", "2")
+    imagenet_nd.main([str(tiny_data), *FAST_ARGS, "--epochs", "3", "--resume", str(first_two / CHECKPOINT_NAME)])
+
+    assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(first_two / CHECKPOINT_NAME)) <= 1e-6
+    # Logs continue in the same run directory, each epoch exactly once.
+    resumed_rows = read_metrics(first_two)
+    assert [(row["epoch"], row["split"]) for row in resumed_rows] == [
+        (str(epoch), split) for epoch in range(3) for split in ("train", "val")]
+    full_rows = read_metrics(uninterrupted)
+    for resumed, full in zip(resumed_rows, full_rows):
+        assert float(resumed["loss"]) == pytest.approx(float(full["loss"]), abs=1e-6)
+        assert resumed["top1"] == full["top1"]
+    assert len((first_two / "resumes.jsonl").read_text().splitlines()) == 1
+
+    other_seed = train(tiny_data, tmp_path / "other", "--epochs", "3", "--seed", "1")
+    assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(other_seed / CHECKPOINT_NAME)) > 1e-3
+
+
+def test_evaluate_reproduces_the_logged_validation(tiny_data, tmp_path, capsys):
+    run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "2")
+    last_val = read_metrics(run_dir)[-1]
+    capsys.readouterr()
+    imagenet_nd.main([str(tiny_data), *FAST_ARGS, "--evaluate", "--resume", str(run_dir / CHECKPOINT_NAME)])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("validation:")]
+    assert f"loss {float(last_val['loss']):.4f}" in line
+    assert f"top1 {float(last_val['top1']):.2f}%" in line and "(9 images" in line
+    assert len(read_metrics(run_dir)) == 4  # evaluation writes nothing
+
+
+def test_desired_acc_stops_after_the_epoch_that_reaches_it(tiny_data, tmp_path, capsys):
+    run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "5", "--desired-acc", "0.01")
+    assert [row["epoch"] for row in read_metrics(run_dir)] == ["0", "0"]
+    assert "reached --desired-acc 1%" in capsys.readouterr().out
+
+
+def test_existing_run_name_is_never_overwritten(tiny_data, tmp_path):
+    run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "1", "--run-name", "mine")
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
+    result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "--epochs", "1", "--run-name", "mine",
+                         "--logdir", tmp_path / "runs"])
+    assert result.returncode == 2 and "--run-name" in result.stderr and "already exists" in result.stderr
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
+
+
+def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
+    from conftest import make_image_folder
+
+    run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "1")
+    other = make_image_folder(tmp_path / "other", classes=4, train_per_class=4, val_per_class=1)
+    result = run_script(["imagenet_nd.py", other, *FAST_ARGS, "--resume", run_dir / CHECKPOINT_NAME])
+    assert result.returncode == 2
+    assert "trained on 3 classes, DATA has 4 (only in DATA: class_3)" in result.stderr
+    result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "-a", "resnet34", "--resume", run_dir / CHECKPOINT_NAME])
+    assert result.returncode == 2 and "holds a resnet18 model, not resnet34; pass -a resnet18" in result.stderr
