@@ -17,7 +17,7 @@ def main(argv=None):
     engine.seed_everything(cfg.seed)
 
     loaders = data.build_loaders(cfg, ctx)
-    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained)
+    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = model.to(ctx.device, memory_format=memory_format)
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).

@@ -38,7 +38,9 @@ def capture_rng_state() -> dict:
         "numpy": [name, keys.tolist(), position, has_gauss, cached_gaussian],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's GPU only: a resume may see fewer GPUs, and touching the others would
+        # create a CUDA context on each of them.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -48,8 +50,8 @@ def restore_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, keys, position, has_gauss, cached_gaussian = state["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: dict, next_epoch: int,
@@ -110,16 +112,15 @@ def load(path: str, flag: str = "--resume") -> dict:
     return state
 
 
+_WRAPPER_NAMES = {"module", "_orig_mod"}  # what DataParallel / DDP and torch.compile insert in parameter names
+
+
 def _plain_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Strip the 'module.' / '_orig_mod.' prefixes that DataParallel, DDP and
-    torch.compile add, so checkpoints of other trainers load too."""
-    plain = {}
-    for key, value in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            while key.startswith(prefix):
-                key = key[len(prefix):]
-        plain[key] = value
-    return plain
+    """Drop the 'module.' and '_orig_mod.' components that wrappers add,
+    wherever they stand: pytorch/examples wraps only AlexNet's and VGG's
+    `features` (features.module.0.weight), so checkpoints of other trainers load too."""
+    return {".".join(part for part in key.split(".") if part not in _WRAPPER_NAMES): value
+            for key, value in state_dict.items()}
 
 
 def load_model_weights(state: dict, model: nn.Module, arch: str, classes: List[str], flag: str, path: str) -> None:
@@ -162,7 +163,11 @@ def resume(path: str, model: nn.Module, optimizer: Optimizer, precision, arch: s
     state = load(path)
     load_model_weights(state, model, arch, classes, "--resume", path)
     if "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise UsageError(f"argument --resume: the optimizer state in {path} does not fit this run's "
+                             f"optimizer ({str(error).strip().splitlines()[0][:200]})") from None
     precision.load_state_dict(state.get("precision") or {})
     if "rng" in state:
         restore_rng_state(state["rng"])

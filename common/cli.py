@@ -224,38 +224,9 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     parser = build_parser(mode)
     ns = parser.parse_args(argv)
     _check_values(ns)
-    return Config(
-        mode=mode,
-        data=ns.data,
-        arch=ns.arch,
-        pretrained=ns.pretrained,
-        channels_last=ns.channels_last,
-        workers=ns.workers,
-        image_size=ns.image_size,
-        val_resize=ns.val_resize,
-        crop_scale=tuple(ns.crop_scale),
-        hflip=ns.hflip,
-        synthetic=ns.synthetic,
-        epochs=ns.epochs,
-        start_epoch=ns.start_epoch,
-        batch_size=ns.batch_size,
-        lr=ns.lr,
-        momentum=ns.momentum,
-        weight_decay=ns.weight_decay,
-        label_smoothing=ns.label_smoothing,
-        lr_schedule=ns.lr_schedule,
-        lr_steps=tuple(ns.lr_steps),
-        warmup_epochs=ns.warmup_epochs,
-        print_freq=ns.print_freq,
-        resume=ns.resume,
-        evaluate=ns.evaluate,
-        seed=ns.seed,
-        desired_acc=ns.desired_acc,
-        logdir=ns.logdir,
-        run_name=ns.run_name,
-        steps_per_epoch=ns.steps_per_epoch,
-        device=ns.device,
-    )
+    values = vars(ns)  # argparse destinations are the Config field names
+    values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
+    return Config(mode=mode, **values)
 
 
 def _check_values(ns: argparse.Namespace) -> None:

@@ -54,7 +54,7 @@ def load_rgb(path: str) -> Image.Image:
     try:
         with Image.open(path) as image:
             return image.convert("RGB")  # convert() forces the full decode: truncation shows here
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+    except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, struct.error, ...)
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise BadImageError(
             f"{path}: cannot decode image ({reason}); remove or replace the file "
@@ -81,8 +81,11 @@ def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None) -
     With `class_to_idx` (train's mapping, when scanning val/) every class
     folder must be one of train's classes.
     """
-    classes = sorted(entry.name for entry in os.scandir(split_dir)
-                     if entry.is_dir() and not entry.name.startswith("."))
+    try:
+        classes = sorted(entry.name for entry in os.scandir(split_dir)
+                         if entry.is_dir() and not entry.name.startswith("."))
+    except OSError as error:
+        raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
     if not classes:
         raise UsageError(f"{split_dir}: no class folders (expected {split_dir}/<class>/<images>)")
     if class_to_idx is None:

@@ -36,10 +36,15 @@ DIGITS_CLASSES = [f"digit_{index}" for index in range(10)]
 def _write_dataset(out: Path, parameters: dict, write: Callable[[Path], Dict[str, int]]) -> Dict[str, int]:
     """Write a dataset folder atomically (temporary folder, then rename), or
     reuse an existing one written with the same parameters."""
+    out = out.absolute()  # "." and "data/" have a usable .name only in absolute form
     marker = out / "dataset.json"
     if out.exists():
-        if marker.is_file() and json.loads(marker.read_text()).get("parameters") == parameters:
-            return json.loads(marker.read_text())["counts"]
+        try:
+            written = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            written = {}
+        if written.get("parameters") == parameters and "counts" in written:
+            return written["counts"]
         raise UsageError(f"{out}: exists and is not a dataset written with these parameters; "
                          f"choose another folder or remove it")
     temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")

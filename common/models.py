@@ -16,6 +16,8 @@ from common.cli import UsageError
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.
+# init_weights=True keeps their documented initialisation explicit (torchvision
+# warns that its implicit default will change, and refuses the flag with weights).
 _AUX_LOGITS_ARCHS = ("googlenet", "inception_v3")
 
 
@@ -26,8 +28,33 @@ def available_architectures() -> List[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
-def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Module:
-    """A torchvision classifier with `num_classes` outputs.
+def _input_size_kwargs(arch: str, image_size: int) -> dict:
+    """Transformers fix their input size at construction (torchvision's default: 224)."""
+    if arch.startswith("vit_"):
+        return {"image_size": image_size}
+    if arch.startswith("maxvit_"):
+        return {"input_size": (image_size, image_size)}
+    return {}
+
+
+def _check_input_size(arch: str, num_classes: int, image_size: int, kwargs: dict) -> None:
+    """Run the architecture once on the meta device (shapes only: no memory, no
+    compute), so an image size the model cannot take is one line at start-up,
+    not a traceback at the first step."""
+    try:
+        with torch.device("meta"):
+            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+            twin.eval()(torch.empty(2, 3, image_size, image_size))
+    except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
+        return
+    except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
+        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images ({reason})") from None
+
+
+def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224) -> nn.Module:
+    """A torchvision classifier with `num_classes` outputs for square
+    `image_size` inputs.
 
     With `pretrained`, torchvision's default ImageNet weights are loaded from
     the torch hub cache (downloaded when the machine can); if the class count
@@ -36,14 +63,18 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False) -> nn.Mod
     """
     if arch not in available_architectures():
         raise UsageError(f"argument -a/--arch: unknown architecture {arch!r} (see --help for the list)")
-    kwargs = {"aux_logits": False} if arch in _AUX_LOGITS_ARCHS else {}
+    aux_off = {"aux_logits": False} if arch in _AUX_LOGITS_ARCHS else {}
+    scratch = {**aux_off, "init_weights": True} if arch in _AUX_LOGITS_ARCHS else {}
+    weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
+    built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
+    kwargs = {**scratch, **_input_size_kwargs(arch, built_size)}
+    _check_input_size(arch, num_classes, image_size, kwargs)
     if not pretrained:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
-    weights = torchvision.models.get_model_weights(arch).DEFAULT
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     try:
-        model = torchvision.models.get_model(arch, weights=weights, **kwargs)
+        model = torchvision.models.get_model(arch, weights=weights, **aux_off)
     except Exception as error:  # no network, proxy refusal, partial download: all end the same way
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(

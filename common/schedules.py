@@ -52,7 +52,9 @@ class LRSchedule:
             return self.gamma ** sum(1 for milestone in self.milestones if epoch >= milestone)
         # Cosine over the epochs after warm-up, from 1 at its start towards 0 at the last step.
         span = self.epochs - self.warmup_epochs
-        fraction = min(max((progress - self.warmup_epochs) / span, 0.0), 1.0) if span > 0 else 1.0
+        if span <= 0:  # the whole run is warm-up: no decay starts
+            return 1.0
+        fraction = min(max((progress - self.warmup_epochs) / span, 0.0), 1.0)
         return 0.5 * (1.0 + math.cos(math.pi * fraction))
 
 

@@ -5,6 +5,7 @@ writes; on the others every call is a no-op.
 A run directory holds everything about one run:
   config.json         every resolved option, the command, host, versions, device
   resumes.jsonl       one line per --resume into this directory (append-only)
+  before-resume-*/    what a resume from an earlier epoch would otherwise overwrite
   metrics.csv         one row per epoch and split (columns: meters.EpochMetrics)
   events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based)
   checkpoint.pth.tar, model_best.pth.tar
@@ -14,20 +15,22 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
 import shlex
+import shutil
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torchvision
 
-from common.checkpoint import CHECKPOINT_NAME
+from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
 from common.cli import Config, UsageError
 from common.distributed import Context
 from common.meters import EpochMetrics, MetricTotals
@@ -69,27 +72,49 @@ def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: s
             f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
 
 
-def _run_directory(cfg: Config, ctx: Context) -> Path:
-    """Where this run writes. --resume continues in the checkpoint's own run
-    directory; a new run never reuses an existing directory."""
+def _make_run_directory(path: Path, flag: str) -> bool:
+    """Create `path` if no other run has: mkdir is atomic, so two runs started
+    in the same second never share a directory. Returns False when it exists."""
+    try:
+        path.mkdir(parents=True, exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise UsageError(f"argument {flag}: cannot create {path} ({error.strerror})") from None
+
+
+def _run_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
+    """Where this run writes, and whether it continues an existing run
+    directory: --resume continues in the checkpoint's own run directory; a
+    new run always gets a directory of its own."""
     logdir = Path(cfg.logdir)
-    if cfg.resume and cfg.run_name is None:
-        resumed = Path(cfg.resume).resolve().parent
-        if (resumed / "config.json").is_file():
-            return resumed
+    resumed = Path(cfg.resume).resolve().parent if cfg.resume else None
+    if resumed is not None and cfg.run_name is None and (resumed / "config.json").is_file():
+        return resumed, True
     if cfg.run_name is not None:
         run_dir = logdir / cfg.run_name
-        if run_dir.exists() and not (cfg.resume and Path(cfg.resume).resolve().parent == run_dir.resolve()):
+        if resumed is not None and run_dir.is_dir() and resumed == run_dir.resolve():
+            return run_dir, True
+        if not _make_run_directory(run_dir, "--run-name"):
             raise UsageError(f"argument --run-name: {run_dir} already exists; continue it with "
                              f"--resume {run_dir / CHECKPOINT_NAME} or choose another name")
-        return run_dir
-    host = socket.gethostname().split(".")[0]
-    name = default_run_name(cfg, ctx, datetime.datetime.now(), host)
-    run_dir, suffix = logdir / name, 1
-    while run_dir.exists():  # two runs started in the same second
-        suffix += 1
-        run_dir = logdir / f"{name}-{suffix}"
-    return run_dir
+        return run_dir, False
+    name = default_run_name(cfg, ctx, datetime.datetime.now(), socket.gethostname().split(".")[0])
+    for attempt in itertools.count(1):
+        run_dir = logdir / (name if attempt == 1 else f"{name}-{attempt}")
+        if _make_run_directory(run_dir, "--logdir"):
+            return run_dir, False
+
+
+def _preserve(source: Path, destination: Path) -> None:
+    """Keep `source`'s current content at `destination`: a hard link where the
+    file system allows (files here are replaced by rename, never rewritten in
+    place, so the link keeps the old content), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def _format_duration(seconds: float) -> str:
@@ -157,12 +182,7 @@ class RunLog:
         run's configuration. Returns the directory (None off the primary)."""
         if not self.is_primary:
             return None
-        run_dir = _run_directory(cfg, self.ctx)
-        resuming = run_dir.exists()
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"argument --logdir: cannot create {run_dir} ({error.strerror})") from None
+        run_dir, resuming = _run_directory(cfg, self.ctx)
         self.run_dir = run_dir
         record = {
             "command": shlex.join([sys.executable] + sys.argv),
@@ -175,7 +195,7 @@ class RunLog:
         if resuming:
             with open(run_dir / "resumes.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-            self._keep_metrics_before(start_epoch)
+            self._set_aside_later_epochs(start_epoch)
         else:
             with open(run_dir / "config.json", "w") as handle:
                 json.dump(record, handle, indent=2)
@@ -186,9 +206,11 @@ class RunLog:
         self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_epoch + 1 if resuming else None)
         return run_dir
 
-    def _keep_metrics_before(self, start_epoch: int) -> None:
-        """On resume, metrics.csv keeps the rows of the epochs before the
-        checkpoint; rows of epochs that will be run again move to a backup."""
+    def _set_aside_later_epochs(self, start_epoch: int) -> None:
+        """Resuming from an earlier epoch than the run directory reached (say,
+        from model_best.pth.tar): the epochs from `start_epoch` on run again.
+        Their metrics rows and the newer checkpoints are kept in
+        before-resume-<time>/ first, then metrics.csv keeps the earlier rows."""
         path = self.run_dir / "metrics.csv"
         if not path.is_file():
             return
@@ -197,13 +219,20 @@ class RunLog:
         kept = [row for row in rows if int(row["epoch"]) < start_epoch]
         if len(kept) == len(rows):
             return
-        backup = path.with_name(f"metrics.before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}.csv")
-        os.replace(path, backup)
-        with open(path, "w", newline="") as handle:
+        backup = self.run_dir / f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        backup.mkdir()
+        for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME):
+            if (self.run_dir / name).is_file():
+                _preserve(self.run_dir / name, backup / name)
+        # A new file renamed over metrics.csv: later appends must not reach the preserved copy.
+        temporary = path.with_name(".metrics.csv.tmp")
+        with open(temporary, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
             writer.writeheader()
             writer.writerows(kept)
-        self.info(f"metrics.csv: rows of epochs >= {start_epoch} are run again; the old file is kept as {backup.name}")
+        os.replace(temporary, path)
+        self.info(f"resuming at epoch {start_epoch}, before the {len(rows) - len(kept)} later metrics rows of "
+                  f"{self.run_dir.name}: they and the newer checkpoints are kept in {backup}")
 
     def log_metrics(self, metrics: EpochMetrics) -> None:
         """Append one row to metrics.csv and the split's TensorBoard scalars."""

@@ -1,6 +1,8 @@
 """Every mistake a user can make on the command line or in the dataset: one
 line on stderr naming the flag or path, exit status 2, no traceback, and
 nothing written."""
+import os
+
 import pytest
 import torch
 
@@ -37,12 +39,15 @@ def test_data_without_split_folder(tmp_path, missing):
     assert_usage_error(run_script(["imagenet_nd.py", root]), f"no {missing}/ folder", str(root / missing))
 
 
-def test_class_folder_without_images(tmp_path):
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_class_folder_without_images(tmp_path, split):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
-    (root / "train" / "class_7").mkdir()
-    (root / "train" / "class_7" / "readme.txt").write_text("no images here")
+    (root / split / "class_1" / "000.JPEG").unlink()
+    if split == "train":
+        (root / split / "class_1" / "001.JPEG").unlink()
+    (root / split / "class_1" / "readme.txt").write_text("no images here")
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--logdir", tmp_path / "runs"])
-    assert_usage_error(result, str(root / "train" / "class_7"), "class folder has no images")
+    assert_usage_error(result, str(root / split / "class_1"), "class folder has no images")
     assert not (tmp_path / "runs").exists()
 
 
@@ -75,14 +80,29 @@ def test_resume_unreadable_file(tmp_path, content):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("workers", ["0", "2"])
-def test_corrupt_jpeg_stops_the_run_naming_the_file(tmp_path, workers):
+@pytest.mark.parametrize("split,workers", [("train", "0"), ("train", "2"), ("val", "2")])
+def test_corrupt_jpeg_stops_the_run_naming_the_file(tmp_path, split, workers):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
-    bad = root / "train" / "class_1" / "002.JPEG"
+    bad = root / split / "class_1" / "000.JPEG"
     bad.write_bytes(bad.read_bytes()[:200])  # truncated mid-scan
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-j", workers, "--epochs", "1",
                          "--logdir", tmp_path / "runs"], timeout=120)
     assert_usage_error(result, str(bad), "cannot decode image")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_resume_permission_denied(tmp_path):
+    locked = tmp_path / "locked.pth.tar"
+    locked.write_bytes(b"x")
+    locked.chmod(0)
+    assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--resume", locked]), "--resume", "permission denied")
+
+
+def test_image_size_the_model_cannot_take(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-a", "alexnet", "--logdir", tmp_path / "runs"])
+    assert_usage_error(result, "--image-size", "alexnet cannot take 32-pixel images")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_pretrained_weights_unavailable_offline(tmp_path):

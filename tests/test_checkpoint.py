@@ -81,3 +81,22 @@ def test_rng_state_round_trip():
 class _NoPolicy:
     def load_state_dict(self, state):
         assert state == {}
+
+
+def test_wrapper_names_inside_keys_are_dropped():
+    # pytorch/examples wraps only AlexNet's features in DataParallel: features.module.0.weight
+    state = {"features.module.0.weight": torch.ones(1), "module._orig_mod.fc.bias": torch.zeros(1)}
+    assert list(checkpoint._plain_state_dict(state)) == ["features.0.weight", "fc.bias"]
+
+
+def test_optimizer_state_that_does_not_fit_is_a_usage_error(tmp_path):
+    model = torchvision.models.resnet18(num_classes=3)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    adam.step()
+    path = tmp_path / "adam.pth.tar"
+    torch.save({"arch": "resnet18", "epoch": 1, "state_dict": model.state_dict(),
+                "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, path)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match=r"--resume: the optimizer state in .* does not fit"):
+        checkpoint.resume(str(path), model, sgd, _NoPolicy(), "resnet18", ["a", "b", "c"])

@@ -95,6 +95,7 @@ def test_epoch_order_and_augmentation_depend_only_on_seed_and_epoch(tmp_path):
     again = build_loaders(cfg, CPU)
     again.set_epoch(1)
     epoch1_again = _batches(again.train)
+    assert len(epoch1) == len(epoch1_again) == len(epoch0)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(epoch1, epoch1_again))
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(epoch0, epoch1))  # a new shuffle and new crops
     assert len(epoch1) == 12 // 4  # drop_last with 12 images and -b 4
@@ -214,3 +215,10 @@ def test_fake_imagenet_is_imagenet_shaped(tmp_path):
             assert 450 <= image.width <= 500 and 333 <= image.height <= 375
     marker = json.loads((tmp_path / "fake" / "dataset.json").read_text())
     assert marker["parameters"]["classes"] == 2
+
+
+def test_damaged_dataset_marker_is_refused_not_a_traceback(tmp_path):
+    (tmp_path / "digits").mkdir()
+    (tmp_path / "digits" / "dataset.json").write_text("{ not json")
+    with pytest.raises(UsageError, match="exists and is not a dataset"):
+        write_digits(tmp_path / "digits")

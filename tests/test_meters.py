@@ -1,4 +1,5 @@
 """Top-k accuracy and metric sums: exact counts on hand-made logits."""
+import dataclasses
 import math
 
 import torch
@@ -70,3 +71,31 @@ def test_epoch_metrics_rates():
     assert metrics.data_wait_fraction == 0.25
     empty = MetricTotals(0.0, 0, 0, 0)
     assert math.isnan(empty.top1) and math.isnan(empty.loss)
+
+
+def _sum_over_two_processes(rank, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ctx = Context(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+    sums = MetricSums(torch.device("cpu"))
+    if rank == 0:  # the two batches of test_metric_sums_are_sums_not_averages_of_averages, one per process
+        sums.add(torch.tensor(2.0), LOGITS, TARGET)
+    else:
+        sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]))
+    totals = sums.totals(ctx)
+    (out_dir / f"rank{rank}.txt").write_text(repr(dataclasses.astuple(totals)))
+    dist.destroy_process_group()
+
+
+def test_totals_are_summed_across_processes(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(_sum_over_two_processes, args=(port, tmp_path), nprocs=2, start_method="fork")
+    expected = repr((15.0, 2, 4, 5))  # (4 x 2.0 + 1 x 7.0, top-1, top-5, count): one epoch's totals
+    assert (tmp_path / "rank0.txt").read_text() == (tmp_path / "rank1.txt").read_text() == expected

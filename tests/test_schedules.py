@@ -60,3 +60,9 @@ def test_fractional_warmup_rounds_to_steps():
 def test_unknown_kind_rejected():
     with pytest.raises(ValueError):
         LRSchedule(peak_lr=0.1, epochs=1, kind="linear")
+
+
+def test_cosine_with_warmup_over_the_whole_run_never_drops_to_zero():
+    schedule = LRSchedule(peak_lr=0.1, epochs=2, kind="cosine", warmup_epochs=2)
+    rates = [schedule.lr(epoch, step, 4) for epoch in range(2) for step in range(4)]
+    assert rates == pytest.approx([0.1 * (index + 1) / 8 for index in range(8)])

@@ -1,0 +1,54 @@
+"""Model builders: any torchvision classifier, the right output shape, one
+logits tensor (auxiliary heads off), a resizable head, and unwrapping."""
+import pytest
+import torch
+from torch import nn
+
+from common.cli import UsageError, build_parser
+from common.models import _replace_last_linear, available_architectures, build_model, unwrap
+
+
+def test_help_lists_every_architecture():
+    text = build_parser("nd").format_help()
+    compact = " ".join(text.split())  # argparse wraps the list over lines
+    assert all(f" {name}," in compact or f" {name} " in compact for name in available_architectures())
+    assert {"alexnet", "resnet50", "vgg16", "vit_b_16", "mobilenet_v3_small"} <= set(available_architectures())
+    assert "maskrcnn_resnet50_fpn" not in available_architectures()  # detection models are not classifiers
+
+
+@pytest.mark.parametrize("arch,size", [
+    ("resnet18", 32), ("alexnet", 64), ("vgg11", 32), ("squeezenet1_0", 64), ("mobilenet_v3_small", 32),
+    ("efficientnet_b0", 32), ("googlenet", 64), ("inception_v3", 96), ("densenet121", 32), ("vit_b_16", 64),
+])
+def test_build_model_outputs_one_logits_tensor(arch, size):
+    torch.manual_seed(0)
+    model = build_model(arch, num_classes=7, image_size=size)
+    model.train()  # training mode is where googlenet / inception would add auxiliary outputs
+    output = model(torch.randn(2, 3, size, size))
+    assert isinstance(output, torch.Tensor) and output.shape == (2, 7)
+
+
+def test_unknown_arch_is_a_usage_error():
+    with pytest.raises(UsageError, match="-a/--arch"):
+        build_model("resnet51", 10)
+
+
+@pytest.mark.parametrize("arch,head", [("resnet18", "fc"), ("alexnet", "classifier.6"), ("vit_b_16", "heads.head")])
+def test_replace_last_linear_resizes_the_classifier_head(arch, head):
+    model = build_model(arch, num_classes=1000)
+    before = {name: p.clone() for name, p in model.named_parameters() if not name.startswith(head)}
+    _replace_last_linear(model, 10)
+    assert model.get_submodule(head).out_features == 10
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters() if name in before)
+
+
+def test_unwrap_finds_the_plain_model():
+    model = nn.Linear(2, 2)
+    assert unwrap(nn.DataParallel(model)) is model
+    assert unwrap(model) is model
+
+
+@pytest.mark.parametrize("arch,size", [("alexnet", 32), ("inception_v3", 48), ("maxvit_t", 64)])
+def test_image_size_the_model_cannot_take_is_one_line(arch, size):
+    with pytest.raises(UsageError, match=rf"--image-size: {arch} cannot take {size}-pixel images"):
+        build_model(arch, num_classes=5, image_size=size)
