@@ -40,7 +40,7 @@ def main(argv=None):
     if cfg.evaluate:
         log.evaluation(trainer.validate(loaders.val, start.start_epoch))
         return
-    log.info(f"global batch {global_batch} ({cfg.batch_size} x {ctx.world_size} process); "
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per process x {ctx.world_size}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     log.start_run(cfg, start.start_epoch, resolved={
         "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,

@@ -8,9 +8,11 @@ nor hang).
 
 Reproducibility: the training order is a function of (seed, epoch), via
 DistributedSampler even in one process, and each epoch's worker seeds come
-from a generator reseeded with (seed, epoch), so augmentation too depends
-only on (seed, epoch, worker count), not on how many epochs this process
-has already run. That is what makes a resumed run equal an uninterrupted one.
+from a generator reseeded with (seed, epoch), so augmentation depends only
+on (seed, epoch, worker count), not on how many epochs this process has
+already run; with no workers (-j 0) it draws from the process's RNG, whose
+state checkpoints carry. That is what makes a resumed run equal an
+uninterrupted one.
 """
 from __future__ import annotations
 

@@ -42,8 +42,6 @@ class FitResult:
     seconds: float  # wall time of this call, validation and checkpoints included
     best_acc1: float
     best_epoch: Optional[int]
-    last_val: Optional[EpochMetrics]
-    desired_acc_reached_seconds: Optional[float]  # since this call started, when --desired-acc was reached
 
 
 @dataclasses.dataclass
@@ -123,8 +121,6 @@ class Trainer:
         log the metrics and save a checkpoint (primary process only). Stops
         early once validation top-1 reaches `desired_acc` (percent)."""
         best_acc1, best_epoch = start.best_acc1, start.best_epoch
-        last_val = None
-        reached_seconds = None
         fit_start = time.perf_counter()
         epochs_run = 0
         if start.start_epoch >= epochs:
@@ -132,12 +128,12 @@ class Trainer:
         for epoch in range(start.start_epoch, epochs):
             loaders.set_epoch(epoch)
             train = self.train_one_epoch(loaders, epoch)
-            last_val = self.validate(loaders.val, epoch)
+            val = self.validate(loaders.val, epoch)
             epochs_run += 1
-            is_best = last_val.top1 > best_acc1
+            is_best = val.top1 > best_acc1
             if is_best:
-                best_acc1, best_epoch = last_val.top1, epoch
-            self.log.epoch_end(train, last_val, best_acc1, best_epoch)
+                best_acc1, best_epoch = val.top1, epoch
+            self.log.epoch_end(train, val, best_acc1, best_epoch)
             if self.log.is_primary:
                 state = checkpoint.training_state(
                     model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(),
@@ -145,12 +141,11 @@ class Trainer:
                     classes=loaders.classes, config=config,
                 )
                 checkpoint.save(state, self.log.run_dir, is_best)
-            if desired_acc is not None and last_val.top1 >= desired_acc:
-                reached_seconds = time.perf_counter() - fit_start
-                self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {last_val.top1:.2f}%) "
-                              f"at epoch {epoch} after {reached_seconds:.1f} s: stopping")
+            if desired_acc is not None and val.top1 >= desired_acc:
+                self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
+                              f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
                 break
         result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start, best_acc1=best_acc1,
-                           best_epoch=best_epoch, last_val=last_val, desired_acc_reached_seconds=reached_seconds)
+                           best_epoch=best_epoch)
         self.log.finish(result)
         return result

@@ -47,12 +47,25 @@ _SCALARS = {
 }
 
 
+def _cpu_model() -> str:
+    """The CPU's marketing name (Linux: /proc/cpuinfo), for results that name their hardware."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(ctx: Context) -> dict:
     """Host, versions and hardware, for config.json and RESULTS.md."""
     cuda = torch.cuda.is_available()
     return {
         "host": socket.gethostname(),
         "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
@@ -169,10 +182,6 @@ class RunLog:
     def info(self, message: str) -> None:
         if self.is_primary:
             print(message, flush=True)
-
-    def warn(self, message: str) -> None:
-        if self.is_primary:
-            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def progress_meter(self, split: str, epoch: int, steps: int, world_size: int):
         return ProgressMeter(split, epoch, steps, world_size) if self.is_primary else _SilentProgress()
