@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common.cli import UsageError
+from common.cli import UsageError, error_summary
 from common.models import unwrap
 
 FORMAT = "imagenet-reference-checkpoint/1"
@@ -105,8 +105,7 @@ def load(path: str, flag: str = "--resume") -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # damaged zip, truncated file, pickle with code: all unreadable to us
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"argument {flag}: {path} is not a readable checkpoint ({reason[:200]})") from None
+        raise UsageError(f"argument {flag}: {path} is not a readable checkpoint ({error_summary(error)})") from None
     if not isinstance(state, dict) or "state_dict" not in state:
         raise UsageError(f"argument {flag}: {path} is not a training checkpoint (it has no 'state_dict')")
     return state
@@ -143,7 +142,7 @@ def load_model_weights(state: dict, model: nn.Module, arch: str, classes: List[s
         unwrap(model).load_state_dict(_plain_state_dict(state["state_dict"]))
     except RuntimeError as error:
         raise UsageError(f"argument {flag}: {path} does not fit the {arch} model "
-                         f"({str(error).strip().splitlines()[-1].strip()[:200]})") from None
+                         f"({error_summary(error, line=-1)})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +166,7 @@ def resume(path: str, model: nn.Module, optimizer: Optimizer, precision, arch: s
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as error:
             raise UsageError(f"argument --resume: the optimizer state in {path} does not fit this run's "
-                             f"optimizer ({str(error).strip().splitlines()[0][:200]})") from None
+                             f"optimizer ({error_summary(error)})") from None
     precision.load_state_dict(state.get("precision") or {})
     if "rng" in state:
         restore_rng_state(state["rng"])

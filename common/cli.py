@@ -31,6 +31,14 @@ class UsageError(Exception):
     line naming the flag or path, with exit status 2 and no traceback."""
 
 
+def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:
+    """One line of an exception's message (the first, or `line`), at most
+    `limit` characters, for quoting inside a one-line UsageError; the
+    exception's type name when it has no message."""
+    lines = [text.strip() for text in str(error).splitlines() if text.strip()]
+    return lines[line][:limit] if lines else type(error).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Every resolved option of one run. Frozen: code reads it, never edits it."""

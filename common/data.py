@@ -26,7 +26,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
-from common.cli import Config, UsageError
+from common.cli import Config, UsageError, error_summary
 from common.distributed import Context
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -57,9 +57,8 @@ def load_rgb(path: str) -> Image.Image:
         with Image.open(path) as image:
             return image.convert("RGB")  # convert() forces the full decode: truncation shows here
     except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, struct.error, ...)
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise BadImageError(
-            f"{path}: cannot decode image ({reason}); remove or replace the file "
+            f"{path}: cannot decode image ({error_summary(error)}); remove or replace the file "
             f"(policy: the run stops at the first unreadable image)"
         ) from None
 

@@ -36,7 +36,7 @@ DIGITS_CLASSES = [f"digit_{index}" for index in range(10)]
 def _write_dataset(out: Path, parameters: dict, write: Callable[[Path], Dict[str, int]]) -> Dict[str, int]:
     """Write a dataset folder atomically (temporary folder, then rename), or
     reuse an existing one written with the same parameters."""
-    out = out.absolute()  # "." and "data/" have a usable .name only in absolute form
+    out = out.absolute()  # "." has a usable .name (for the temporary sibling) only in absolute form
     marker = out / "dataset.json"
     if out.exists():
         try:

@@ -12,7 +12,7 @@ import torch
 import torchvision
 from torch import nn
 
-from common.cli import UsageError
+from common.cli import UsageError, error_summary
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.
@@ -48,8 +48,8 @@ def _check_input_size(arch: str, num_classes: int, image_size: int, kwargs: dict
     except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
         return
     except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
-        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
-        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images ({reason})") from None
+        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images "
+                         f"({error_summary(error)})") from None
 
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224) -> nn.Module:
@@ -76,10 +76,9 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     try:
         model = torchvision.models.get_model(arch, weights=weights, **aux_off)
     except Exception as error:  # no network, proxy refusal, partial download: all end the same way
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UsageError(
             f"argument --pretrained: the {arch} weights are not in {cached} and could not be downloaded "
-            f"({reason}); copy {weights.url} there from a machine with internet access"
+            f"({error_summary(error)}); copy {weights.url} there from a machine with internet access"
         ) from None
     if num_classes != len(weights.meta["categories"]):
         _replace_last_linear(model, num_classes)
