@@ -12,17 +12,21 @@ from common import checkpoint, cli, data, distributed, engine, models, precision
 
 def main(argv=None):
     cfg = cli.parse("nd", argv)
-    ctx = distributed.single_process(cfg.device)
+    train(cfg, distributed.single_process(cfg.device))
+
+
+def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed)
 
     loaders = data.build_loaders(cfg, ctx)
-    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size)
+    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
+                               dropout=cfg.dropout)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = model.to(ctx.device, memory_format=memory_format)
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 
-    global_batch = cfg.batch_size * ctx.world_size
+    global_batch = cfg.batch_size * ctx.replicas
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
@@ -40,7 +44,7 @@ def main(argv=None):
     if cfg.evaluate:
         log.evaluation(trainer.validate(loaders.val, start.start_epoch))
         return
-    log.info(f"global batch {global_batch} ({cfg.batch_size} per process x {ctx.world_size}); "
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     log.start_run(cfg, start.start_epoch, resolved={
         "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,

@@ -62,7 +62,7 @@ def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: d
         "format": FORMAT,
         "arch": arch,
         "epoch": next_epoch,
-        "state_dict": unwrap(model).state_dict(),
+        "state_dict": _plain_state_dict(unwrap(model).state_dict()),  # also inner wrappers (DataParallel features)
         "optimizer": optimizer.state_dict(),
         "precision": precision_state,
         "best_acc1": best_acc1,

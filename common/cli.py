@@ -30,6 +30,11 @@ class UsageError(Exception):
     """A mistake the user can fix (a flag, a path, a dataset): reported as one
     line naming the flag or path, with exit status 2 and no traceback."""
 
+    # Under DDP every process checks the same flags and folders and meets the same error; only the
+    # primary process reports those. A rank-specific error (an unreadable image in one process's
+    # share of the data, a peer it cannot reach) is reported by the process that meets it.
+    rank_specific = False
+
 
 def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:
     """One line of an exception's message (the first, or `line`), at most
@@ -74,6 +79,16 @@ class Config:
     steps_per_epoch: int
     device: str
     opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
+    dropout: Optional[float] = None  # None: the architecture's own default
+    # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
+    dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
+    dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU
+    world_size: Optional[int] = None  # nodes (pytorch/examples' meaning); None: one
+    rank: Optional[int] = None  # this node's rank among them
+    nproc_per_node: Optional[int] = None  # None: one per visible GPU, one on the CPU
+    local_rank: Optional[int] = None  # set by torch.distributed.launch
+    sync_bn: bool = False
+    dist_timeout: float = 300.0  # seconds
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,6 +170,10 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--pretrained", action="store_true",
                        help="start from torchvision's ImageNet weights (from the local torch hub cache, "
                             "or downloaded; the last linear layer is replaced when the class count differs)")
+    group.add_argument("--dropout", type=_float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
+                       metavar="P", help="dropout probability of the classifier, for architectures that have one "
+                                         "(AlexNet, VGG, SqueezeNet, MobileNet, EfficientNet, ...); default: "
+                                         "the architecture's own")
     group.add_argument("--channels-last", action="store_true",
                        help="model and input batches in channels-last memory format (faster with "
                             "tensor cores and mixed precision)")
@@ -224,7 +243,41 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                             "validation still covers the whole val set")
     group.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                        help="auto: CUDA when a GPU is visible, else the CPU")
+    if mode in ("ddp", "ddp_apex"):
+        _add_distributed_flags(parser)
     return parser
+
+
+def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "distributed", "Plain `python SCRIPT DATA` trains on every visible GPU of this machine (one process "
+                       "each). On N nodes run, on every node: --dist-url tcp://NODE0:PORT --world-size N "
+                       "--rank NODE_RANK. Under torchrun, torch.distributed.launch or srun, the launcher's "
+                       "variables say all this and these flags stay unset.")
+    group.add_argument("--dist-url", default=None, metavar="URL",
+                       help="tcp://HOST:PORT of node 0, where the processes meet (default: a free local port, "
+                            "for one node)")
+    group.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                       help="process-group backend (default: nccl with GPUs, gloo on the CPU)")
+    group.add_argument("--world-size", type=positive_int, default=None, metavar="NODES",
+                       help="number of nodes; each starts one process per GPU, so the processes in the job "
+                            "are NODES x GPUs per node (default: 1)")
+    group.add_argument("--rank", type=non_negative_int, default=None, metavar="NODE_RANK",
+                       help="this node's rank, 0 to NODES-1; node 0 hosts the rendezvous at --dist-url")
+    group.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
+                       help="processes on this node (default: one per visible GPU; 1 on the CPU, where each "
+                            "process is a CPU replica with the gloo backend)")
+    group.add_argument("--local-rank", "--local_rank", dest="local_rank", type=non_negative_int, default=None,
+                       metavar="N", help="set by torch.distributed.launch; not for direct use")
+    group.add_argument("--sync-bn", action="store_true",
+                       help="BatchNorm statistics over the global batch instead of each GPU's share "
+                            "(SyncBatchNorm; GPUs only)")
+    group.add_argument("--dist-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                       help="how long a process waits for its peers: at start-up (a node that never comes "
+                            "up ends the job with an error after this) and at any collective operation")
+    group.add_argument("--multiprocessing-distributed", action="store_true",
+                       help="accepted for pytorch/examples command lines: this script always runs one process "
+                            "per GPU")
 
 
 def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
@@ -233,6 +286,7 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     ns = parser.parse_args(argv)
     _check_values(ns)
     values = vars(ns)  # argparse destinations are the Config field names
+    values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
     return Config(mode=mode, **values)
 
@@ -246,6 +300,12 @@ def _check_values(ns: argparse.Namespace) -> None:
         close = difflib.get_close_matches(ns.arch, archs, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise UsageError(f"argument -a/--arch: unknown architecture {ns.arch!r}{hint} (see --help for the list)")
+    if getattr(ns, "rank", None) is not None and ns.rank >= (ns.world_size or 1):
+        raise UsageError(f"argument --rank: node rank {ns.rank} is not below --world-size {ns.world_size or 1} "
+                         f"(ranks count from 0)")
+    if getattr(ns, "dist_url", None) is not None and not ns.dist_url.startswith("tcp://"):
+        raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT of node 0, got {ns.dist_url!r} "
+                         f"(under torchrun, launch or srun leave it unset)")
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
     if ns.val_resize < ns.image_size:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
 from common.cli import Config, UsageError, error_summary
-from common.distributed import Context
+from common.distributed import Context, data_loader_worker_init
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -39,6 +39,8 @@ SYNTHETIC_VAL_BATCHES = 10  # per process: random tensors have no accuracy worth
 
 class BadImageError(UsageError):
     """An image file that cannot be decoded; the message names the file."""
+
+    rank_specific = True  # only the process whose share holds the file meets it
 
     def __init__(self, message: str):
         # A DataLoader worker's exception reaches the main process rebuilt as
@@ -198,11 +200,11 @@ class Loaders:
                 f"in {self.num_classes} classes")
 
 
-def build_datasets(cfg: Config, world_size: int) -> Tuple[Dataset, Dataset, List[str]]:
+def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[str]]:
     if cfg.synthetic:
         classes = [f"class{index:04d}" for index in range(SYNTHETIC_CLASSES)]
         train = SyntheticImages(IMAGENET_TRAIN_IMAGES, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed)
-        val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * world_size
+        val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * replicas
         val = SyntheticImages(val_length, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed + 1)
         return train, val, classes
     root = Path(cfg.data)
@@ -214,23 +216,27 @@ def build_datasets(cfg: Config, world_size: int) -> Tuple[Dataset, Dataset, List
 
 
 def build_loaders(cfg: Config, ctx: Context) -> Loaders:
-    """Training and validation loaders of this process's share of the data."""
-    train_set, val_set, classes = build_datasets(cfg, ctx.world_size)
+    """Training and validation loaders of this process's share of the data.
+    A process's batch is -b per replica it drives (its GPUs, under nn.DataParallel)."""
+    batch_size = cfg.batch_size * ctx.replicas_per_process
+    train_set, val_set, classes = build_datasets(cfg, ctx.replicas)
     train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
                                        shuffle=True, seed=cfg.seed)
-    if len(train_sampler) < cfg.batch_size:
-        raise UsageError(f"argument -b/--batch-size: {cfg.batch_size} is more than the {len(train_sampler)} "
-                         f"training images per process; lower it")
+    if len(train_sampler) < batch_size:
+        raise UsageError(f"argument -b/--batch-size: {batch_size} per process is more than the "
+                         f"{len(train_sampler)} training images per process; lower it")
     pin_memory = ctx.device.type == "cuda"
+    # Workers die with their training process, even if it is killed with SIGKILL.
+    worker_init_fn = data_loader_worker_init if cfg.workers else None
     train = DataLoader(
-        train_set, batch_size=cfg.batch_size, sampler=train_sampler, num_workers=cfg.workers,
-        pin_memory=pin_memory,
+        train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
+        pin_memory=pin_memory, worker_init_fn=worker_init_fn,
         # A partial last batch would skew BatchNorm statistics (and fails outright with one image).
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )
     val = DataLoader(
-        val_set, batch_size=cfg.batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
-        num_workers=cfg.workers, pin_memory=pin_memory,
+        val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
+        num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
     )
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed)

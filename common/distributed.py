@@ -1,19 +1,44 @@
 """Who am I: rank, local rank, world size and device, in one place.
 
-Every script gets a `Context` from here and passes it on; nothing else
-decides the device or asks how many processes there are. One process
-(imagenet_nd.py, imagenet_dp.py) is a world of size 1, so code written for
-the distributed case runs unchanged there: reductions are no-ops.
+Every script gets a `Context` from here and passes it on; nothing else reads
+the environment, decides the device or asks how many processes there are.
+One process (imagenet_nd.py, imagenet_dp.py) is a world of size 1, so code
+written for the distributed case runs unchanged there: reductions are no-ops.
+
+imagenet_ddp.py runs `launch(train, cfg)`, which finds out how the job was
+started (`discover`) and either runs `train(cfg, ctx)` in this process (it is
+one worker of torchrun, torch.distributed.launch or srun) or starts one
+worker per GPU of this node and watches them (plain `python`, and the
+per-node `--world-size NODES --rank NODE_RANK` style). A worker that fails
+stops its local peers; Ctrl-C or SIGTERM stops them all; workers and their
+data-loading processes die with their parent, so no process outlives the job.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
-from typing import Optional
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from common.cli import UsageError
+from common.cli import Config, UsageError, error_summary
+
+SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
+SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
+WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
+WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +48,8 @@ class Context:
     world_size: int  # number of training processes in the job
     device: torch.device
     backend: Optional[str] = None  # process-group backend (nccl / gloo); None without one
+    replicas_per_process: int = 1  # model replicas one process drives: its GPUs under nn.DataParallel
+    launcher: str = "single process"  # how the processes were started, for config.json
 
     @property
     def is_primary(self) -> bool:
@@ -30,14 +57,20 @@ class Context:
         return self.rank == 0
 
     @property
+    def replicas(self) -> int:
+        """Model replicas in the job (GPUs, or CPU processes): the global batch is -b times this."""
+        return self.world_size * self.replicas_per_process
+
+    @property
     def device_kind(self) -> str:
         """'gpu' or 'cpu': the word used in run names (gpux8, cpux2)."""
         return "gpu" if self.device.type == "cuda" else "cpu"
 
     def device_name(self) -> str:
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        return "cpu"
+        if self.device.type != "cuda":
+            return "cpu"
+        name = torch.cuda.get_device_name(self.device)
+        return f"{self.replicas_per_process} x {name}" if self.replicas_per_process > 1 else name
 
 
 def select_device(choice: str, local_rank: int = 0) -> torch.device:
@@ -51,14 +84,28 @@ def select_device(choice: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def single_process(device_choice: str = "auto") -> Context:
-    """The context of a script that runs as one process on one device."""
-    device = select_device(device_choice)
+def _use_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # Input sizes are fixed, so cuDNN's per-shape autotuning pays for itself after a few steps.
         torch.backends.cudnn.benchmark = True
+
+
+def single_process(device_choice: str = "auto") -> Context:
+    """The context of a script that runs as one process on one device."""
+    device = select_device(device_choice)
+    _use_device(device)
     return Context(rank=0, local_rank=0, world_size=1, device=device)
+
+
+def data_parallel(device_choice: str = "auto") -> Context:
+    """One process driving every visible GPU through nn.DataParallel (its
+    batches go to cuda:0 and are split from there); one replica on the CPU."""
+    device = select_device(device_choice)
+    _use_device(device)
+    replicas = torch.cuda.device_count() if device.type == "cuda" else 1
+    return Context(rank=0, local_rank=0, world_size=1, device=device, replicas_per_process=replicas,
+                   launcher="nn.DataParallel")
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -67,3 +114,341 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def broadcast_from_primary(value, ctx: Context):
+    """The primary process's `value` (any picklable object), on every process:
+    how one process's decision (say, a run directory it could not create)
+    becomes everyone's, instead of leaving the others waiting."""
+    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+    return value
+
+
+# --- DistributedDataParallel: how the job was started, and starting its workers ---
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the training processes of a job are started and where they meet."""
+
+    launcher: str  # "spawn", "torchrun", "torch.distributed.launch" or "slurm"
+    init_method: str  # "env://" (the launcher's variables) or "tcp://HOST:PORT" of rank 0
+    world_size: int  # training processes in the job
+    nodes: int
+    node_rank: int
+    procs_per_node: int
+    rank: Optional[int] = None  # this process's global rank; None when this process spawns the workers
+    local_rank: Optional[int] = None
+
+    @property
+    def spawns(self) -> bool:
+        return self.rank is None
+
+    def rank_of(self, local_rank: int) -> int:
+        """Global rank of the local worker `local_rank` that this process spawns."""
+        return self.node_rank * self.procs_per_node + local_rank
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: 'gpu[07-09,12],cpu01' -> 'gpu07',
+    'node[1-2]-ib' -> 'node1-ib' (what `scontrol show hostnames | head -1` prints)."""
+    depth, end = 0, len(nodelist)
+    for index, char in enumerate(nodelist):  # the first comma outside brackets ends the first entry
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = index
+            break
+    entry = nodelist[:end].strip()
+    return re.sub(r"\[([^\]]*)\]", lambda match: re.split(r"[,-]", match.group(1))[0], entry)
+
+
+def slurm_port(job_id: int) -> int:
+    """The port every task of Slurm job `job_id` derives alike, without talking."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def _tcp_address(url: str) -> tuple:
+    match = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)", url)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT (the address of node 0), got {url!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def _free_local_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _environment_int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise UsageError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Launch:
+    """How this job is started, from the flags and the environment (the only
+    place that reads it): torchrun and torch.distributed.launch set RANK,
+    WORLD_SIZE and LOCAL_RANK; srun sets SLURM_*; otherwise this process
+    spawns the workers of its node (--world-size nodes, --rank this node's)."""
+    per_node_flags = cfg.world_size is not None or cfg.rank is not None or cfg.dist_url is not None
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        for flag, value in (("--world-size", cfg.world_size), ("--rank", cfg.rank),
+                            ("--nproc-per-node", cfg.nproc_per_node)):
+            if value is not None:
+                raise UsageError(f"argument {flag}: the launcher already set RANK and WORLD_SIZE; "
+                                 f"drop {flag} (it is for starting the script with plain python)")
+        world_size = _environment_int(environ, "WORLD_SIZE")
+        local_rank = _environment_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else cfg.local_rank
+        if local_rank is None:
+            raise UsageError("environment: RANK and WORLD_SIZE are set but neither LOCAL_RANK nor --local-rank")
+        procs_per_node = (_environment_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
+                          else world_size)
+        launcher = "torch.distributed.launch" if cfg.local_rank is not None else "torchrun"
+        return Launch(launcher=launcher, init_method="env://", world_size=world_size,
+                      nodes=max(1, world_size // procs_per_node),
+                      node_rank=_environment_int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0,
+                      procs_per_node=procs_per_node, rank=_environment_int(environ, "RANK"), local_rank=local_rank)
+
+    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ and not per_node_flags:
+        tasks = _environment_int(environ, "SLURM_STEP_NUM_TASKS")
+        nodes = _environment_int(environ, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in environ else 1
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+        if not nodelist or "SLURM_JOB_ID" not in environ:
+            raise UsageError("environment: srun set SLURM_PROCID but not SLURM_JOB_NODELIST and SLURM_JOB_ID; "
+                             "pass --dist-url tcp://HOST:PORT")
+        init_method = f"tcp://{first_slurm_host(nodelist)}:{slurm_port(_environment_int(environ, 'SLURM_JOB_ID'))}"
+        if tasks == nodes and (cfg.nproc_per_node or gpus_visible) > 1:
+            # One task per node (srun --ntasks-per-node=1): each task spawns the workers of its node.
+            return Launch(launcher="slurm", init_method=init_method,
+                          world_size=nodes * (cfg.nproc_per_node or gpus_visible), nodes=nodes,
+                          node_rank=_environment_int(environ, "SLURM_NODEID"),
+                          procs_per_node=cfg.nproc_per_node or gpus_visible)
+        if cfg.nproc_per_node not in (None, tasks // nodes):
+            raise UsageError(f"argument --nproc-per-node: srun already started {tasks // nodes} processes per "
+                             f"node (one per task); drop the flag or start one task per node")
+        return Launch(launcher="slurm", init_method=init_method, world_size=tasks, nodes=nodes,
+                      node_rank=_environment_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+                      procs_per_node=max(1, tasks // nodes), rank=_environment_int(environ, "SLURM_PROCID"),
+                      local_rank=_environment_int(environ, "SLURM_LOCALID"))
+
+    nodes = cfg.world_size if cfg.world_size is not None else 1
+    node_rank = cfg.rank if cfg.rank is not None else 0
+    if nodes > 1 and cfg.rank is None:
+        raise UsageError(f"argument --rank: needed with --world-size {nodes} (this node's rank, 0 to {nodes - 1})")
+    if nodes > 1 and cfg.dist_url is None:
+        raise UsageError(f"argument --dist-url: needed with --world-size {nodes} "
+                         f"(tcp://HOST:PORT of node 0, the same on every node)")
+    procs_per_node = cfg.nproc_per_node or max(gpus_visible, 1)
+    if gpus_visible and procs_per_node > gpus_visible and cfg.device != "cpu":
+        raise UsageError(f"argument --nproc-per-node: {procs_per_node} processes but {gpus_visible} GPUs are "
+                         f"visible; DDP runs one process per GPU")
+    if cfg.dist_url is not None:
+        _tcp_address(cfg.dist_url)  # checks the form
+        init_method = cfg.dist_url
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+    return Launch(launcher="spawn", init_method=init_method, world_size=nodes * procs_per_node, nodes=nodes,
+                  node_rank=node_rank, procs_per_node=procs_per_node)
+
+
+def _check_before_start(cfg: Config, launch: Launch, gpus_visible: int) -> None:
+    """The mistakes that can be seen before any process waits for another."""
+    uses_gpus = gpus_visible > 0 and cfg.device != "cpu"
+    if cfg.dist_backend == "nccl" and not uses_gpus:
+        raise UsageError("argument --dist-backend: nccl needs CUDA GPUs and none is in use; use gloo")
+    if cfg.sync_bn and not uses_gpus:
+        raise UsageError("argument --sync-bn: SyncBatchNorm needs CUDA GPUs (PyTorch has no CPU implementation)")
+    if launch.spawns and launch.node_rank == 0 and launch.init_method.startswith("tcp://"):
+        # Node 0 hosts the rendezvous: a port already in use is an error now, not a timeout later.
+        host, port = _tcp_address(launch.init_method)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # SO_REUSEADDR as the rendezvous server sets it: a port in TIME_WAIT after the last run is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as error:
+                raise UsageError(f"argument --dist-url: port {port} on this node is in use ({error.strerror}); "
+                                 f"choose another port") from None
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies, even
+    by SIGKILL, so no worker is left holding a GPU, a port or memory."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def data_loader_worker_init(worker_id: int) -> None:
+    """DataLoader worker_init_fn: data-loading processes die with their trainer."""
+    _die_with_parent()
+
+
+@contextlib.contextmanager
+def _stderr_held_back():
+    """Hold back what C++ code writes to stderr (file descriptor 2) meanwhile:
+    c10d logs every failed connection attempt with a stack trace, which our
+    one-line error replaces. Call the yielded function to pass it on after all."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+
+        def replay() -> None:
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+
+        try:
+            yield replay
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+class RendezvousError(UsageError):
+    """A process that cannot meet its peers; each reports its own."""
+
+    rank_specific = True
+
+
+def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) -> Context:
+    device = select_device(cfg.device, local_rank)
+    _use_device(device)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Processes of one node share its cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.procs_per_node))
+    backend = cfg.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        with _stderr_held_back() as replay:
+            dist.init_process_group(backend, init_method=launch.init_method, rank=rank,
+                                    world_size=launch.world_size, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+            replay()
+    except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
+        raise RendezvousError(
+            f"rank {rank} of {launch.world_size} could not join the process group at {launch.init_method} "
+            f"within --dist-timeout {cfg.dist_timeout:g} s ({error_summary(error)}); check that every node runs "
+            f"with the same --dist-url and --world-size, its own --rank, and can reach node 0") from None
+    return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
+                   launcher=launch.launcher)
+
+
+def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int) -> None:
+    """Join the process group, train, leave. A UsageError is printed by the
+    primary process, or by the process it concerns alone (an unreadable image
+    in its share, a peer it cannot reach): never once per process."""
+    rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
+    try:
+        ctx = _join_process_group(cfg, launch, rank, local_rank)
+        try:
+            train(cfg, ctx)
+        finally:
+            dist.destroy_process_group()
+    except UsageError as error:
+        if rank == 0 or getattr(error, "rank_specific", False):
+            print(f"{_program()}: error: {error}", file=sys.stderr, flush=True)
+        else:
+            # The primary process meets the same error and reports it: give it a moment before this
+            # exit makes a launcher stop the job.
+            time.sleep(1.0)
+        sys.exit(2)
+
+
+def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
+    _die_with_parent()
+    # The launcher stops workers with SIGTERM: unwind as for Ctrl-C, so data-loading processes and
+    # their shared-memory queues are cleaned up (SIGKILL follows if this takes too long).
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _run_worker(train, cfg, launch, local_rank)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the launcher reports it
+        sys.exit(130)
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0])
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _stop(processes) -> None:
+    """SIGTERM every live worker, then SIGKILL what is still alive after a grace period."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + WORKER_KILL_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
+    """Start this node's workers and wait for them. The first failure stops
+    the rest (after a moment to exit on their own) and sets the exit status."""
+    spawn = multiprocessing.get_context("spawn")  # fork would copy a CUDA-initialised parent
+    workers = [spawn.Process(target=_spawned_worker, args=(local_rank, train, cfg, launch),
+                             name=f"rank{launch.rank_of(local_rank)}")
+               for local_rank in range(launch.procs_per_node)]
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # scancel and kill: stop the workers too
+    try:
+        for worker in workers:
+            worker.start()
+        running = list(workers)
+        while running:
+            multiprocessing.connection.wait([worker.sentinel for worker in running])
+            failed = [worker for worker in running if worker.exitcode not in (None, 0)]
+            running = [worker for worker in running if worker.exitcode is None]
+            if failed:
+                _report_failure(failed[0], running)
+    except KeyboardInterrupt:
+        _stop(workers)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def _report_failure(failed, running) -> None:
+    multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
+    _stop(running)
+    code = failed.exitcode
+    if code == 2:  # a UsageError: the worker has printed it
+        sys.exit(2)
+    if code == 130:
+        raise KeyboardInterrupt
+    how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
+    if code == -signal.SIGKILL:
+        how += " (by the kernel's out-of-memory killer, if nobody sent it)"
+    print(f"{_program()}: error: worker {failed.name} {how}; stopped the other workers of this node",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def launch(train: Callable[[Config, Context], None], cfg: Config) -> None:
+    """Run `train(cfg, ctx)` in every training process of this node: here,
+    when a launcher started this process as one worker; otherwise in one
+    spawned worker per GPU (or per --nproc-per-node on the CPU)."""
+    gpus_visible = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    plan = discover(cfg, os.environ, gpus_visible)
+    _check_before_start(cfg, plan, gpus_visible)
+    if not plan.spawns:
+        _run_worker(train, cfg, plan, plan.local_rank)
+        return
+    if plan.node_rank == 0:
+        print(f"starting {plan.procs_per_node} worker processes on this node ({plan.nodes} node(s), world size "
+              f"{plan.world_size}, rendezvous {plan.init_method})", flush=True)
+    _spawn_and_watch(train, cfg, plan)

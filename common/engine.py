@@ -95,7 +95,10 @@ class Trainer:
     def validate(self, loader, epoch: int) -> EpochMetrics:
         """Loss and top-1/top-5 over the whole validation set, each image
         counted once whatever the number of processes."""
-        self.model.eval()
+        # DDP's own module: DDP adds nothing in evaluation, and processes may have one batch more or
+        # less than others here, which a collective inside DDP's forward would wait on forever.
+        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+        model.eval()
         steps = len(loader)
         sums = MetricSums(self.ctx.device)
         progress = self.log.progress_meter("val", epoch, steps, self.ctx.world_size)
@@ -105,7 +108,7 @@ class Trainer:
             data_wait_seconds += time.perf_counter() - step_end
             images, target = self._to_device(images, target)
             with self.precision.autocast():
-                logits = self.model(images)
+                logits = model(images)
                 loss = self.criterion(logits, target)
             sums.add(loss, logits, target)
             if self._should_print(step, steps):

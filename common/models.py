@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 from urllib.parse import urlparse
 
 import torch
@@ -47,14 +47,20 @@ def _check_input_size(arch: str, num_classes: int, image_size: int, kwargs: dict
             twin.eval()(torch.empty(2, 3, image_size, image_size))
     except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
         return
+    except TypeError as error:
+        if "dropout" in str(error):
+            raise UsageError(f"argument --dropout: {arch} has no dropout setting (leave --dropout out)") from None
+        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images "
+                         f"({error_summary(error)})") from None
     except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
         raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images "
                          f"({error_summary(error)})") from None
 
 
-def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224) -> nn.Module:
+def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224,
+                dropout: Optional[float] = None) -> nn.Module:
     """A torchvision classifier with `num_classes` outputs for square
-    `image_size` inputs.
+    `image_size` inputs (and classifier `dropout`, when given).
 
     With `pretrained`, torchvision's default ImageNet weights are loaded from
     the torch hub cache (downloaded when the machine can); if the class count
@@ -67,14 +73,15 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     scratch = {**aux_off, "init_weights": True} if arch in _AUX_LOGITS_ARCHS else {}
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
-    kwargs = {**scratch, **_input_size_kwargs(arch, built_size)}
+    dropout_kwargs = {"dropout": dropout} if dropout is not None else {}
+    kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **dropout_kwargs}
     _check_input_size(arch, num_classes, image_size, kwargs)
     if not pretrained:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     try:
-        model = torchvision.models.get_model(arch, weights=weights, **aux_off)
+        model = torchvision.models.get_model(arch, weights=weights, **aux_off, **dropout_kwargs)
     except Exception as error:  # no network, proxy refusal, partial download: all end the same way
         raise UsageError(
             f"argument --pretrained: the {arch} weights are not in {cached} and could not be downloaded "

@@ -32,7 +32,7 @@ import torchvision
 
 from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
 from common.cli import Config, UsageError
-from common.distributed import Context
+from common.distributed import Context, broadcast_from_primary
 from common.meters import EpochMetrics, MetricTotals
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
@@ -74,14 +74,17 @@ def environment(ctx: Context) -> dict:
         "device": ctx.device_name(),
         "gpus_visible": torch.cuda.device_count() if cuda else 0,
         "cpu_count": os.cpu_count(),
-        "world_size": ctx.world_size,
+        "world_size": ctx.world_size,  # training processes
+        "replicas": ctx.replicas,  # model replicas: GPUs (or CPU processes) in the job
+        "launcher": ctx.launcher,
     }
 
 
 def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
     """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
-    the upstream convention (cpu<workers> counts data-loading workers)."""
-    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.world_size}"
+    the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
+    data-loading workers)."""
+    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.replicas}"
             f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
 
 
@@ -188,10 +191,20 @@ class RunLog:
 
     def start_run(self, cfg: Config, start_epoch: int, resolved: dict) -> Optional[Path]:
         """Create (or, on --resume, reopen) the run directory and record the
-        run's configuration. Returns the directory (None off the primary)."""
+        run's configuration. Returns the directory (None off the primary).
+        Every process calls it: the primary's failure (say, --run-name taken)
+        is raised on all of them, so none is left waiting for the others."""
+        failure = None
+        if self.is_primary:
+            try:
+                run_dir, resuming = _run_directory(cfg, self.ctx)
+            except UsageError as error:
+                failure = str(error)
+        failure = broadcast_from_primary(failure, self.ctx)
+        if failure is not None:
+            raise UsageError(failure)
         if not self.is_primary:
             return None
-        run_dir, resuming = _run_directory(cfg, self.ctx)
         self.run_dir = run_dir
         record = {
             "command": shlex.join([sys.executable] + sys.argv),
@@ -271,8 +284,9 @@ class RunLog:
                   f"| {val.images} images in {val.seconds:.1f} s  | best top1 {best_acc1:.2f}% (epoch {best_epoch})")
 
     def evaluation(self, val: EpochMetrics) -> None:
-        self.info(f"validation: loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
-                  f"({val.images} images in {val.seconds:.1f} s)")
+        top1_correct = round(val.top1 * val.images / 100)
+        self.info(f"validation: loss {val.loss:.4f}  top1 {val.top1:.2f}% ({top1_correct}/{val.images})  "
+                  f"top5 {val.top5:.2f}%  ({val.images} images in {val.seconds:.1f} s)")
 
     def finish(self, result) -> None:
         """The closing lines: how long, how good, and where everything is."""

@@ -113,10 +113,39 @@ def test_other_seed_changes_the_order(tmp_path):
     assert orders[0] != orders[1]
 
 
+@pytest.mark.parametrize("images", [20, 21])
+def test_two_ranks_train_on_disjoint_shares_covering_the_set_with_a_new_shuffle_each_epoch(tmp_path, images):
+    root = make_image_folder(tmp_path, classes=1, train_per_class=images, val_per_class=1)
+    cfg = parse("ddp", [str(root), *FAST_ARGS, "-j", "0"])
+    ranks = [build_loaders(cfg, dataclasses.replace(CPU, rank=rank, world_size=2)) for rank in (0, 1)]
+    orders = []
+    for epoch in (0, 1):
+        shares = []
+        for loaders in ranks:
+            loaders.set_epoch(epoch)
+            shares.append(list(loaders.train.sampler))
+        assert len(shares[0]) == len(shares[1]) == (images + 1) // 2  # equal steps on every rank
+        assert set(shares[0]) | set(shares[1]) == set(range(images))  # together, the whole set
+        if images % 2 == 0:
+            assert not set(shares[0]) & set(shares[1])  # disjoint
+        else:  # DistributedSampler repeats one image so both ranks run as many steps
+            assert len(set(shares[0]) & set(shares[1])) == 1
+        orders.append(shares)
+    assert orders[0][0] != orders[1][0] and orders[0][1] != orders[1][1]
+
+
+def test_data_parallel_feeds_one_batch_per_gpu_from_one_process(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=8, val_per_class=3)
+    cfg = parse("dp", [str(root), *FAST_ARGS, "-j", "0"])
+    loaders = build_loaders(cfg, dataclasses.replace(CPU, replicas_per_process=2))
+    assert loaders.train.batch_size == loaders.val.batch_size == 2 * 4
+    assert len(loaders.train) == 16 // 8
+
+
 def test_batch_larger_than_the_training_set_is_refused(tmp_path):
     root = make_image_folder(tmp_path, classes=2, train_per_class=3, val_per_class=1)
     cfg = parse("nd", [str(root), *FAST_ARGS, "-b", "7"])
-    with pytest.raises(UsageError, match=r"-b/--batch-size: 7 is more than the 6 training images"):
+    with pytest.raises(UsageError, match=r"-b/--batch-size: 7 per process is more than the 6 training images"):
         build_loaders(cfg, CPU)
 
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Train and validate an ImageNet classifier with DistributedDataParallel:
+one process per GPU (or per CPU process, with gloo), on one node or many.
+
+    python imagenet_ddp.py -a resnet50 /path/to/imagenet          # every GPU of this machine
+    python imagenet_ddp.py -a resnet50 --dist-url tcp://NODE0:23456 --world-size NODES --rank NODE_RANK DATA
+    torchrun --nproc-per-node 4 imagenet_ddp.py -a resnet50 DATA  # or torch.distributed.launch, or srun
+
+The whole recipe, top to bottom; the loop itself is common/engine.py, and
+finding the other processes is common/distributed.py.
+"""
+import torch
+
+from common import checkpoint, cli, data, distributed, engine, models, precision, schedules, telemetry
+
+
+def main(argv=None):
+    cfg = cli.parse("ddp", argv)
+    distributed.launch(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
+
+
+def train(cfg: cli.Config, ctx: distributed.Context) -> None:
+    log = telemetry.RunLog(ctx)
+    engine.seed_everything(cfg.seed)
+
+    loaders = data.build_loaders(cfg, ctx)
+    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
+                               dropout=cfg.dropout)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = model.to(ctx.device, memory_format=memory_format)
+    if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # Every process holds a replica; DDP averages the gradients across processes during backward.
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    global_batch = cfg.batch_size * ctx.replicas
+    lr = schedules.scaled_lr(cfg.lr, global_batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
+    policy = precision.FP32()
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    start = checkpoint.ResumePoint(start_epoch=cfg.start_epoch)
+    if cfg.resume:
+        start = checkpoint.resume(cfg.resume, model, optimizer, policy, cfg.arch, loaders.classes)
+        log.info(f"resumed from {cfg.resume}: next epoch {start.start_epoch}, best top-1 {start.best_acc1:.2f}%")
+
+    trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
+                             channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch)
+    log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
+    if cfg.evaluate:
+        log.evaluation(trainer.validate(loaders.val, start.start_epoch))
+        return
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
+             f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
+    log.start_run(cfg, start.start_epoch, resolved={
+        "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
+        "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
+        "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
+    })
+    trainer.fit(loaders, cfg.epochs, start, arch=cfg.arch, config=cfg.to_dict(), desired_acc=cfg.desired_acc)
+
+
+if __name__ == "__main__":
+    cli.run(main)

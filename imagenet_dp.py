@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Train and validate an ImageNet classifier with nn.DataParallel: one process
+splits each batch over every visible GPU (-b per GPU); no GPU: one CPU replica.
+
+    python imagenet_dp.py -a resnet50 /path/to/imagenet
+
+The whole recipe, top to bottom; the loop itself is common/engine.py.
+PyTorch recommends imagenet_ddp.py's DistributedDataParallel instead, even on
+one machine: here one Python process drives every GPU and re-copies the
+model to each of them at every step.
+"""
+import torch
+
+from common import checkpoint, cli, data, distributed, engine, models, precision, schedules, telemetry
+
+
+def main(argv=None):
+    cfg = cli.parse("dp", argv)
+    train(cfg, distributed.data_parallel(cfg.device))
+
+
+def train(cfg: cli.Config, ctx: distributed.Context) -> None:
+    log = telemetry.RunLog(ctx)
+    engine.seed_everything(cfg.seed)
+
+    loaders = data.build_loaders(cfg, ctx)
+    model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
+                               dropout=cfg.dropout)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = model.to(ctx.device, memory_format=memory_format)
+    if ctx.device.type != "cuda":
+        log.info("no GPU in use: nn.DataParallel runs one replica on the CPU")
+    if cfg.arch.startswith(("alexnet", "vgg")):
+        # Their big linear layers cost more to copy to every GPU than to run on one (as in pytorch/examples).
+        model.features = torch.nn.DataParallel(model.features)
+    else:
+        model = torch.nn.DataParallel(model)  # splits each batch over the GPUs, gathers the outputs on cuda:0
+
+    global_batch = cfg.batch_size * ctx.replicas
+    lr = schedules.scaled_lr(cfg.lr, global_batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
+    policy = precision.FP32()
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    start = checkpoint.ResumePoint(start_epoch=cfg.start_epoch)
+    if cfg.resume:
+        start = checkpoint.resume(cfg.resume, model, optimizer, policy, cfg.arch, loaders.classes)
+        log.info(f"resumed from {cfg.resume}: next epoch {start.start_epoch}, best top-1 {start.best_acc1:.2f}%")
+
+    trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
+                             channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch)
+    log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
+    if cfg.evaluate:
+        log.evaluation(trainer.validate(loaders.val, start.start_epoch))
+        return
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
+             f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
+    log.start_run(cfg, start.start_epoch, resolved={
+        "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
+        "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
+        "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
+    })
+    trainer.fit(loaders, cfg.epochs, start, arch=cfg.arch, config=cfg.to_dict(), desired_acc=cfg.desired_acc)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,348 @@
+"""imagenet_ddp.py and imagenet_dp.py end to end on the CPU (gloo): DDP equals
+one process with the global batch, every launcher gives the same run,
+validation is exact at any world size, wrong launches fail fast with one
+line, and no process outlives an interrupted or crashed job."""
+import csv
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import engine, models
+from common.checkpoint import CHECKPOINT_NAME
+from common.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from conftest import REPO, make_image_folder, run_script
+
+# SqueezeNet 1.1 without dropout: small (1.2M parameters), BatchNorm-free and random-free in training,
+# so one process with batch 2B and two processes with B each must compute the same steps.
+# Full-image crops without flips: the augmentation is deterministic too.
+MODEL = ["-a", "squeezenet1_1", "--dropout", "0", "--image-size", "32", "--val-resize", "32",
+         "--crop-scale", "1", "1", "--hflip", "0", "-p", "1"]
+# Identical numerics in every launcher's processes: one thread each (torchrun's default for several).
+ENV = {"OMP_NUM_THREADS": "1"}
+DETERMINISTIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "lr"]
+
+
+def free_port(low=20000, high=30000):
+    """A port nothing listens on; from [low, high) so tests can also aim at the Slurm-derived range."""
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def single_run_dir(logdir: Path) -> Path:
+    run_dirs = [path for path in logdir.iterdir() if path.is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # only rank 0 writes
+    return run_dirs[0]
+
+
+def metrics(run_dir: Path):
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [{column: row[column] for column in DETERMINISTIC_COLUMNS} for row in csv.DictReader(handle)]
+
+
+def correct_count(row) -> int:
+    """Top-1 hits of a metrics.csv row."""
+    return round(float(row["top1"]) * int(row["images"]) / 100)
+
+
+def weights(run_dir: Path):
+    return torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def max_abs_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
+
+
+def start(argv, env_extra=None):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **ENV, **(env_extra or {}))
+    return subprocess.Popen(list(map(str, argv)), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(processes, timeout=300):
+    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("ddp") / "data")  # 24 training images, 9 val, 3 classes
+
+
+# --- DDP with 2 processes x B == one process with 2B ---
+
+def test_ddp_two_processes_equal_one_process_with_the_global_batch(data, tmp_path):
+    common = [data, *MODEL, "-j", "0", "--lr", "1", "--epochs", "1", "--steps-per-epoch", "3"]
+    single = run_script([REPO / "imagenet_nd.py", *common, "-b", "8", "--logdir", tmp_path / "nd"], env_extra=ENV)
+    assert single.returncode == 0, single.stderr
+    ddp = run_script([REPO / "imagenet_ddp.py", *common, "-b", "4", "--nproc-per-node", "2",
+                      "--logdir", tmp_path / "ddp"], env_extra=ENV)
+    assert ddp.returncode == 0, ddp.stderr
+    nd_run, ddp_run = single_run_dir(tmp_path / "nd"), single_run_dir(tmp_path / "ddp")
+
+    engine.seed_everything(0)  # the scripts' initialisation, to show the 3 steps moved the weights
+    initial = models.build_model("squeezenet1_1", 3, image_size=32, dropout=0.0).state_dict()
+    assert max_abs_diff(weights(nd_run), initial) > 1e-2
+    assert max_abs_diff(weights(ddp_run), weights(nd_run)) <= 1e-5
+    for nd_row, ddp_row in zip(metrics(nd_run), metrics(ddp_run)):
+        assert int(ddp_row["images"]) == int(nd_row["images"]) and ddp_row["lr"] == nd_row["lr"]
+        assert float(ddp_row["loss"]) == pytest.approx(float(nd_row["loss"]), abs=1e-5)
+    assert int(metrics(ddp_run)[0]["images"]) == 24 and int(metrics(ddp_run)[0]["steps"]) == 3
+    config = json.loads((ddp_run / "config.json").read_text())
+    assert config["environment"]["world_size"] == 2 and config["environment"]["launcher"] == "spawn"
+    assert config["resolved"]["global_batch"] == 8
+    assert ddp_run.name.endswith("_squeezenet1_1_cpux2_b4_cpu0_optO0")
+
+
+# --- one script, five launchers, the same run ---
+
+RUN = [*MODEL, "-b", "4", "-j", "0", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def spawned_reference(data, tmp_path_factory):
+    """Plain `python imagenet_ddp.py --nproc-per-node 2`: the run every other launcher must reproduce."""
+    logdir = tmp_path_factory.mktemp("spawn")
+    finish([start([sys.executable, REPO / "imagenet_ddp.py", data, *RUN, "--nproc-per-node", "2",
+                   "--logdir", logdir])])
+    return single_run_dir(logdir)
+
+
+def test_spawned_run_trains_on_every_image_once_per_epoch(spawned_reference):
+    rows = metrics(spawned_reference)
+    assert [(row["epoch"], row["split"], row["images"]) for row in rows] == \
+        [("0", "train", "24"), ("0", "val", "9"), ("1", "train", "24"), ("1", "val", "9")]
+
+
+def torchrun(*flags):
+    return [sys.executable, "-m", "torch.distributed.run", *flags]
+
+
+def launched(name, data, logdir):
+    """The processes of one launch style, each producing one job of 2 processes."""
+    script, port = REPO / "imagenet_ddp.py", free_port()
+    args = [data, *RUN, "--logdir", logdir]
+    if name == "per-node":  # the original tutorial's two-node commands, both nodes on this machine
+        return [start([sys.executable, script, *args, "--dist-url", f"tcp://127.0.0.1:{port}", "--world-size", "2",
+                       "--rank", str(node), "--nproc-per-node", "1"]) for node in (1, 0)]
+    if name == "torchrun":
+        return [start(torchrun("--nproc-per-node", "2", "--master-port", str(port), script, *args))]
+    if name == "torchrun-rdzv":
+        return [start(torchrun("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", script, *args))]
+    if name == "torch.distributed.launch":
+        return [start([sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                       "--master_port", str(port), script, *args])]
+    if name == "slurm":  # srun -n 2 on one node, faked: the job id is chosen so the derived port is free
+        job_id = free_port(SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN) - SLURM_PORT_BASE + 3 * SLURM_PORT_SPAN
+        slurm = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2"}
+        return [start([sys.executable, script, *args], dict(slurm, SLURM_PROCID=str(task), SLURM_LOCALID=str(task)))
+                for task in (1, 0)]
+    raise ValueError(name)
+
+
+LAUNCHER_RECORDED = {"per-node": "spawn", "torchrun": "torchrun", "torchrun-rdzv": "torchrun",
+                     "torch.distributed.launch": "torch.distributed.launch", "slurm": "slurm"}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHER_RECORDED))
+def test_every_launcher_gives_the_spawned_run(name, data, tmp_path, spawned_reference):
+    outputs = finish(launched(name, data, tmp_path))
+    run_dir = single_run_dir(tmp_path)
+    assert metrics(run_dir) == metrics(spawned_reference)
+    environment = json.loads((run_dir / "config.json").read_text())["environment"]
+    assert (environment["launcher"], environment["world_size"]) == (LAUNCHER_RECORDED[name], 2)
+    assert sum(output.count("finished 2 epochs") for output in outputs) == 1  # only rank 0 prints
+
+
+# --- exact validation at any world size; checkpoints move between scripts ---
+
+def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
+    data = make_image_folder(tmp_path / "data", val_per_class=3)
+    for extra in sorted((data / "val").rglob("*.JPEG"))[:2]:
+        extra.unlink()  # 7 validation images: shards of 7, 4+3 and 3+2+2
+    nd = run_script([REPO / "imagenet_nd.py", data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1",
+                     "--logdir", tmp_path / "runs"], env_extra=ENV)
+    assert nd.returncode == 0, nd.stderr
+    checkpoint = single_run_dir(tmp_path / "runs") / CHECKPOINT_NAME
+    lines = []
+    for processes in (1, 2, 3):
+        result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "2", "-j", "0", "--nproc-per-node",
+                             processes, "-e", "--resume", checkpoint], env_extra=ENV)
+        assert result.returncode == 0, result.stderr
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith("validation:")]
+        lines.append(line)
+    counts = [re.search(r"top1 ([\d.]+)% \((\d+)/(\d+)\)", line).groups() for line in lines]
+    assert counts[0][2] == "7" and counts[0] == counts[1] == counts[2]
+    losses = [float(re.search(r"loss ([\d.]+)", line).group(1)) for line in lines]
+    assert max(losses) - min(losses) <= 1e-4
+    # The DDP-trained checkpoint validates in imagenet_nd.py as in its own last epoch (and vice versa above).
+    assert int(counts[0][1]) == correct_count(metrics(single_run_dir(tmp_path / "runs"))[-1])
+
+
+def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):
+    result = run_script([REPO / "imagenet_nd.py", data, *RUN, "-e", "--resume", spawned_reference / CHECKPOINT_NAME],
+                        env_extra=ENV)
+    assert result.returncode == 0, result.stderr
+    correct, images = re.search(r"validation: .* top1 [\d.]+% \((\d+)/(\d+)\)", result.stdout).groups()
+    last_val = metrics(spawned_reference)[-1]
+    assert (int(correct), int(images)) == (correct_count(last_val), int(last_val["images"]))
+
+
+# --- wrong launches: one line, exit 2, in bounded time ---
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_port_in_use_fails_at_once(data):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_script([REPO / "imagenet_ddp.py", data, *RUN, "--dist-url", f"tcp://127.0.0.1:{port}",
+                             "--world-size", "1", "--rank", "0"])
+    assert_one_line_error(result, "argument --dist-url", f"port {port}", "in use")
+
+
+def test_a_peer_that_never_arrives_ends_the_job_after_dist_timeout(data):
+    began = time.monotonic()
+    result = run_script([REPO / "imagenet_ddp.py", data, *RUN, "--dist-url", f"tcp://127.0.0.1:{free_port()}",
+                         "--world-size", "2", "--rank", "0", "--dist-timeout", "3"], timeout=120)
+    assert_one_line_error(result, "rank 0 of 2 could not join", "--dist-timeout 3 s", "1/2")
+    assert time.monotonic() - began < 60
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--world-size", "2", "--rank", "2", "--dist-url", "tcp://127.0.0.1:29999"], "argument --rank: node rank 2"),
+    (["--dist-backend", "nccl"], "argument --dist-backend: nccl needs CUDA GPUs"),
+    (["--sync-bn"], "argument --sync-bn"),
+    (["--dist-url", "env://"], "argument --dist-url: expected tcp://HOST:PORT"),
+])
+def test_wrong_flags_fail_before_any_process_waits(data, flags, fragment):
+    assert_one_line_error(run_script([REPO / "imagenet_ddp.py", data, *RUN, *flags]), fragment)
+
+
+def test_an_error_every_process_meets_is_reported_once(data):
+    # 12 training images per process cannot fill a batch of 20: both workers stop, one line is printed.
+    result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "20", "-j", "0", "--nproc-per-node", "2"],
+                        env_extra=ENV)
+    assert_one_line_error(result, "argument -b/--batch-size: 20 per process")
+
+
+# --- no process outlives the job ---
+
+def process_tree(root: int):
+    """Pids of every descendant of `root` (from /proc: Linux)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_long_job():
+    """A spawned 2-process run with one data-loading worker each, stopped once it trains."""
+    job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
+                 "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1", "--nproc-per-node", "2", "--epochs", "1",
+                 "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
+    for line in job.stdout:
+        if line.startswith("train epoch 0 ["):
+            break
+    time.sleep(1.0)
+    tree = process_tree(job.pid)
+    assert len(tree) >= 4, tree  # 2 workers, each with a data-loading process (+ multiprocessing's tracker)
+    return job, tree
+
+
+def wait_until_gone(job, tree, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (job.poll() is None or any(map(running, tree))):
+        time.sleep(0.1)
+    return [pid for pid in tree if running(pid)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_sigint_to_the_launcher_ends_every_process_within_10_seconds():
+    job, tree = start_long_job()
+    job.send_signal(signal.SIGINT)
+    left = wait_until_gone(job, tree, 10)
+    output = job.stdout.read()
+    assert left == [] and job.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_a_crashed_worker_stops_the_others():
+    job, tree = start_long_job()
+    workers = [pid for pid in process_tree(job.pid)
+               if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+               and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(job.pid)]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    left = wait_until_gone(job, tree, 15)
+    output = job.stdout.read()
+    assert left == [] and job.returncode == 1, output
+    assert re.search(r"error: worker rank\d was killed by SIGKILL .*; stopped the other workers", output)
+
+
+# --- nn.DataParallel ---
+
+def test_data_parallel_on_the_cpu_is_one_replica_and_trains_as_imagenet_nd(data, tmp_path):
+    common = [data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1", "--steps-per-epoch", "2"]
+    dp = run_script([REPO / "imagenet_dp.py", *common, "--logdir", tmp_path / "dp"], env_extra=ENV)
+    nd = run_script([REPO / "imagenet_nd.py", *common, "--logdir", tmp_path / "nd"], env_extra=ENV)
+    assert dp.returncode == 0 and nd.returncode == 0, dp.stderr + nd.stderr
+    assert dp.stdout.count("no GPU in use: nn.DataParallel runs one replica on the CPU") == 1
+    dp_run, nd_run = single_run_dir(tmp_path / "dp"), single_run_dir(tmp_path / "nd")
+    assert max_abs_diff(weights(dp_run), weights(nd_run)) == 0.0
+    assert metrics(dp_run) == metrics(nd_run)
+
+
+def test_data_parallel_alexnet_checkpoint_has_plain_names(data, tmp_path):
+    result = run_script([REPO / "imagenet_dp.py", data, "-a", "alexnet", "--image-size", "64", "--val-resize", "64",
+                         "-b", "4", "-j", "0", "--epochs", "1", "--steps-per-epoch", "1", "--logdir", tmp_path],
+                        env_extra=ENV)
+    assert result.returncode == 0, result.stderr
+    state = weights(single_run_dir(tmp_path))
+    assert "features.0.weight" in state and not any("module" in key for key in state)

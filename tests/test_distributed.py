@@ -1,0 +1,127 @@
+"""Rank and world discovery (common.distributed.discover) for every launcher,
+from faked environments: pure functions, no processes."""
+import dataclasses
+
+import pytest
+
+from common import cli
+from common.cli import UsageError
+from common.distributed import discover, first_slurm_host, slurm_port
+
+
+def ddp_config(*flags):
+    return cli.parse("ddp", ["--synthetic", *flags])
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("gpu07", "gpu07"),
+    ("gpu[07-09,12],cpu01", "gpu07"),
+    ("gpu[12,07-09]", "gpu12"),  # Slurm keeps the order it was given
+    ("node[001-004]", "node001"),  # zero padding kept
+    ("a1,b[1-2]", "a1"),
+    ("node[1-2]-ib", "node1-ib"),
+    ("rack[3-4]-n[10-11]", "rack3-n10"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_slurm_port_is_a_function_of_the_job_id_below_the_ephemeral_range():
+    assert slurm_port(4242) == 14242 and slurm_port(20000 + 4242) == 14242
+    assert {slurm_port(job) for job in range(0, 10**7, 997)} <= set(range(10000, 30000))
+
+
+def test_torchrun_environment():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    launch = discover(ddp_config(), env, gpus_visible=4)
+    assert (launch.launcher, launch.init_method, launch.rank, launch.local_rank, launch.world_size) == \
+        ("torchrun", "env://", 5, 1, 8)
+    assert (launch.nodes, launch.node_rank, launch.procs_per_node, launch.spawns) == (2, 1, 4, False)
+
+
+@pytest.mark.parametrize("spelling", ["--local-rank=3", "--local_rank=3"])
+def test_torch_distributed_launch_passes_local_rank_as_a_flag(spelling):
+    env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "8888"}  # no LOCAL_RANK
+    launch = discover(ddp_config(spelling), env, gpus_visible=4)
+    assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == \
+        ("torch.distributed.launch", 3, 3, 4)
+
+
+def test_per_node_flags_under_torchrun_are_refused():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    with pytest.raises(UsageError, match="argument --world-size: the launcher already set RANK"):
+        discover(ddp_config("--world-size", "2", "--rank", "0", "--dist-url", "tcp://h:1"), env, gpus_visible=0)
+    with pytest.raises(UsageError, match="argument --nproc-per-node"):
+        discover(ddp_config("--nproc-per-node", "2"), env, gpus_visible=0)
+
+
+SLURM_TWO_NODES_FOUR_TASKS_EACH = {
+    "SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456",
+}
+
+
+def test_slurm_one_task_per_gpu():
+    launch = discover(ddp_config(), SLURM_TWO_NODES_FOUR_TASKS_EACH, gpus_visible=4)
+    assert (launch.launcher, launch.rank, launch.local_rank, launch.world_size) == ("slurm", 6, 2, 8)
+    assert (launch.nodes, launch.node_rank, launch.procs_per_node) == (2, 1, 4)
+    assert launch.init_method == f"tcp://gpu07:{slurm_port(123456)}"
+
+
+def test_slurm_step_nodelist_wins_over_the_job_nodelist_and_dist_url_is_honoured_as_per_node_style():
+    env = dict(SLURM_TWO_NODES_FOUR_TASKS_EACH, SLURM_STEP_NODELIST="gpu[08,07]")
+    assert discover(ddp_config(), env, gpus_visible=4).init_method.startswith("tcp://gpu08:")
+    # Explicit per-node flags mean the per-node style, even inside srun: this process spawns.
+    launch = discover(ddp_config("--dist-url", "tcp://gpu07:23456", "--world-size", "2", "--rank", "1"), env,
+                      gpus_visible=4)
+    assert launch.spawns and (launch.world_size, launch.node_rank, launch.rank_of(3)) == (8, 1, 7)
+
+
+def test_slurm_one_task_per_node_spawns_a_worker_per_gpu():
+    env = dict(SLURM_TWO_NODES_FOUR_TASKS_EACH, SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2")
+    launch = discover(ddp_config(), env, gpus_visible=4)
+    assert launch.spawns and launch.launcher == "slurm"
+    assert (launch.world_size, launch.nodes, launch.node_rank, launch.procs_per_node) == (8, 2, 1, 4)
+    assert [launch.rank_of(local) for local in range(4)] == [4, 5, 6, 7]
+
+
+def test_an_sbatch_shell_without_srun_is_not_a_slurm_launch():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1"}
+    launch = discover(ddp_config(), env, gpus_visible=4)
+    assert launch.spawns and launch.launcher == "spawn" and launch.world_size == 4
+
+
+def test_plain_python_spawns_one_worker_per_visible_gpu_on_a_free_local_port():
+    launch = discover(ddp_config(), {}, gpus_visible=3)
+    assert launch.spawns and (launch.world_size, launch.nodes, launch.procs_per_node) == (3, 1, 3)
+    assert launch.init_method.startswith("tcp://127.0.0.1:")
+    cpu = discover(ddp_config(), {}, gpus_visible=0)
+    assert (cpu.world_size, cpu.procs_per_node) == (1, 1)
+    assert discover(ddp_config("--nproc-per-node", "3"), {}, gpus_visible=0).world_size == 3
+
+
+def test_per_node_style_counts_nodes_and_ranks_nodes():
+    launch = discover(ddp_config("--dist-url", "tcp://10.0.0.1:23456", "--world-size", "4", "--rank", "2"), {},
+                      gpus_visible=8)
+    assert (launch.init_method, launch.world_size, launch.node_rank) == ("tcp://10.0.0.1:23456", 32, 2)
+    assert [launch.rank_of(local) for local in (0, 7)] == [16, 23]
+
+
+@pytest.mark.parametrize("flags, gpus, message", [
+    (["--world-size", "2", "--dist-url", "tcp://h:1"], 1, "argument --rank: needed with --world-size 2"),
+    (["--world-size", "2", "--rank", "1"], 1, "argument --dist-url: needed with --world-size 2"),
+    (["--nproc-per-node", "4"], 2, "argument --nproc-per-node: 4 processes but 2 GPUs"),
+    (["--world-size", "1", "--rank", "0", "--dist-url", "tcp://h"], 0, "argument --dist-url: expected tcp://HOST:PORT"),
+])
+def test_inconsistent_per_node_flags(flags, gpus, message):
+    with pytest.raises(UsageError, match=message):
+        discover(ddp_config(*flags), {}, gpus_visible=gpus)
+
+
+def test_launch_is_picklable_for_spawned_workers():
+    import pickle
+
+    launch = discover(ddp_config("--nproc-per-node", "2"), {}, gpus_visible=0)
+    assert pickle.loads(pickle.dumps(launch)) == launch
+    assert dataclasses.replace(launch, node_rank=1).rank_of(1) == 3
