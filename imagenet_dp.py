@@ -21,7 +21,7 @@ def main(argv=None):
 
 def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
-    engine.seed_everything(cfg.seed)
+    engine.seed_everything(cfg.seed, ctx.rank)
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
@@ -29,8 +29,8 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model = model.to(ctx.device, memory_format=memory_format)
     if ctx.device.type != "cuda":
-        log.info("no GPU in use: nn.DataParallel runs one replica on the CPU")
-    if cfg.arch.startswith(("alexnet", "vgg")):
+        log.info("no GPU in use: one replica on the CPU, without nn.DataParallel")
+    elif cfg.arch.startswith(("alexnet", "vgg")):
         # Their big linear layers cost more to copy to every GPU than to run on one (as in pytorch/examples).
         model.features = torch.nn.DataParallel(model.features)
     else:

@@ -12,8 +12,9 @@ import dataclasses
 import difflib
 import os
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 # The parallelism modes, one per entry script.
 MODES = ("nd", "dp", "ddp", "ddp_apex")
@@ -79,6 +80,9 @@ class Config:
     steps_per_epoch: int
     device: str
     opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
+    amp_dtype: Optional[str] = None  # fp16 | bf16; None: fp16 on CUDA, bf16 on the CPU
+    keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
+    loss_scale: Union[str, float, None] = None  # "dynamic" or a fixed scale; None: Apex's default
     dropout: Optional[float] = None  # None: the architecture's own default
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
@@ -200,8 +204,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--epochs", type=positive_int, default=90, metavar="N", help="total epochs to run")
     group.add_argument("--start-epoch", type=non_negative_int, default=0, metavar="N",
                        help="epoch number to start at (0-based; --resume sets it from the checkpoint)")
-    group.add_argument("-b", "--batch-size", type=positive_int, default=128, metavar="N",
-                       help="images per step per device (per process); the global batch is this x world size")
+    group.add_argument("-b", "--batch-size", "--b", dest="batch_size", type=positive_int, default=128, metavar="N",
+                       help="images per step per GPU (or CPU process); the global batch is this x GPUs. "
+                            "--b is the spelling of the Apex tutorial's commands")
     group.add_argument("--lr", "--learning-rate", dest="lr", type=positive_float, default=0.1, metavar="LR",
                        help="learning rate for a global batch of 256, scaled linearly to the real global "
                             "batch (use 0.01 for AlexNet and VGG)")
@@ -245,7 +250,40 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        help="auto: CUDA when a GPU is visible, else the CPU")
     if mode in ("ddp", "ddp_apex"):
         _add_distributed_flags(parser)
+    if mode == "ddp_apex":
+        _add_precision_flags(parser)
     return parser
+
+
+def _true_false(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text == "True"
+
+
+def _loss_scale(text: str) -> Union[str, float]:
+    if text == "dynamic":
+        return text
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected dynamic or a positive number, got {text!r}") from None
+
+
+def _add_precision_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "mixed precision", "NVIDIA Apex's flags, implemented with native PyTorch AMP (torch.autocast, "
+                           "torch.amp.GradScaler): Apex is not needed.")
+    group.add_argument("--opt-level", choices=("O0", "O1", "O2", "O3"), default="O1",
+                       help="O0: fp32. O1: autocast, fp32 weights. O2: O1 + channels-last on GPUs. O3: the whole "
+                            "model in half precision (may diverge)")
+    group.add_argument("--amp-dtype", choices=("fp16", "bf16"), default=None,
+                       help="half type (default: fp16 on CUDA GPUs, bf16 on the CPU); bf16 needs no loss scaling")
+    group.add_argument("--keep-batchnorm-fp32", type=_true_false, default=None, metavar="True|False",
+                       help="O3: keep BatchNorm in fp32 (default False); O1 and O2 always do")
+    group.add_argument("--loss-scale", type=_loss_scale, default=None, metavar="dynamic|SCALE",
+                       help="fp16 loss scaling: dynamic (default for O1, O2), or a fixed starting scale that never "
+                            "grows (halved when a step overflows, which is then skipped); O3's default is 1 (none)")
 
 
 def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -336,6 +374,20 @@ def _check_values(ns: argparse.Namespace) -> None:
             raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
 
 
+def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
+    """Print `error` as one `prog: error: ...` line, once per node: by this
+    process if it runs alone (rank None), if it is the first process of its
+    node (local rank 0), or if it alone meets the error (error.rank_specific).
+    The other processes of a node meet the same error and stay silent."""
+    if rank is None or local_rank == 0 or error.rank_specific:
+        where = f"rank {rank}: " if rank else ""
+        print(f"{os.path.basename(sys.argv[0])}: error: {where}{error}", file=sys.stderr, flush=True)
+    else:
+        # Local rank 0 meets the same error and reports it: give it a moment before this process's
+        # exit makes a launcher stop the job.
+        time.sleep(1.0)
+
+
 def run(main: Callable[[], object]) -> None:
     """Run an entry script's main(): a UsageError becomes one line on stderr
     and exit status 2; Ctrl-C exits with 130 without a traceback."""
@@ -343,7 +395,9 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except UsageError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        from common.distributed import launched_identity  # here: common.distributed imports this module
+
+        report(error, *launched_identity())
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)

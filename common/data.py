@@ -8,8 +8,8 @@ nor hang).
 
 Reproducibility: the training order is a function of (seed, epoch), via
 DistributedSampler even in one process, and each epoch's worker seeds come
-from a generator reseeded with (seed, epoch), so augmentation depends only
-on (seed, epoch, worker count), not on how many epochs this process has
+from a generator reseeded with (seed, epoch, rank), so augmentation depends only
+on (seed, epoch, rank, worker count), not on how many epochs this process has
 already run; with no workers (-j 0) it draws from the process's RNG, whose
 state checkpoints carry. That is what makes a resumed run equal an
 uninterrupted one.
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms
 
 from common.cli import Config, UsageError, error_summary
-from common.distributed import Context, data_loader_worker_init
+from common.distributed import PER_RANK_SEED_STRIDE, Context, data_loader_worker_init
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -179,6 +179,7 @@ class Loaders:
     val: DataLoader
     classes: List[str]
     seed: int
+    rank: int = 0  # this process's rank: its augmentation stream is its own
 
     @property
     def num_classes(self) -> int:
@@ -186,9 +187,9 @@ class Loaders:
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch: the epoch's shuffle (the same on every
-        process) and its augmentation seeds depend only on (seed, epoch)."""
+        process) and its augmentation seeds depend only on (seed, epoch, rank)."""
         self.train.sampler.set_epoch(epoch)
-        self.train.generator.manual_seed(self.seed * 100_003 + epoch)
+        self.train.generator.manual_seed(self.seed * 100_003 + epoch + self.rank * PER_RANK_SEED_STRIDE)
 
     def train_steps(self, limit: int = 0) -> int:
         """Training steps per epoch, at most `limit` when it is set."""
@@ -239,4 +240,4 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
     )
-    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed)
+    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank)

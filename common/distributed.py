@@ -28,17 +28,18 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from common.cli import Config, UsageError, error_summary
+from common.cli import Config, UsageError, error_summary, report
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
+PER_RANK_SEED_STRIDE = 1_000_003  # rank r's random streams start from seed + r x this; rank 0's from the seed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,16 @@ def broadcast_from_primary(value, ctx: Context):
     return value
 
 
+def broadcast_buffers_from_primary(module: torch.nn.Module, ctx: Context) -> None:
+    """Give every process the primary's buffers (BatchNorm running statistics).
+    In training each process updates them from its own share of the batch, so
+    they differ after the last step; the primary's are the ones checkpoints
+    save, so they are the ones to validate with."""
+    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 # --- DistributedDataParallel: how the job was started, and starting its workers ---
 
 @dataclasses.dataclass(frozen=True)
@@ -194,13 +205,13 @@ def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Laun
     place that reads it): torchrun and torch.distributed.launch set RANK,
     WORLD_SIZE and LOCAL_RANK; srun sets SLURM_*; otherwise this process
     spawns the workers of its node (--world-size nodes, --rank this node's)."""
-    per_node_flags = cfg.world_size is not None or cfg.rank is not None or cfg.dist_url is not None
+    per_node_flags = cfg.world_size is not None or cfg.rank is not None
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        for flag, value in (("--world-size", cfg.world_size), ("--rank", cfg.rank),
+        for flag, value in (("--world-size", cfg.world_size), ("--rank", cfg.rank), ("--dist-url", cfg.dist_url),
                             ("--nproc-per-node", cfg.nproc_per_node)):
             if value is not None:
-                raise UsageError(f"argument {flag}: the launcher already set RANK and WORLD_SIZE; "
-                                 f"drop {flag} (it is for starting the script with plain python)")
+                raise UsageError(f"argument {flag}: the launcher already set RANK, WORLD_SIZE and MASTER_ADDR; "
+                                 f"drop {flag} (it is for starting the script with plain python or srun)")
         world_size = _environment_int(environ, "WORLD_SIZE")
         local_rank = _environment_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else cfg.local_rank
         if local_rank is None:
@@ -217,15 +228,19 @@ def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Laun
         tasks = _environment_int(environ, "SLURM_STEP_NUM_TASKS")
         nodes = _environment_int(environ, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in environ else 1
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-        if not nodelist or "SLURM_JOB_ID" not in environ:
+        if cfg.dist_url is not None:
+            _tcp_address(cfg.dist_url)  # checks the form
+            init_method = cfg.dist_url
+        elif nodelist and "SLURM_JOB_ID" in environ:
+            init_method = f"tcp://{first_slurm_host(nodelist)}:{slurm_port(_environment_int(environ, 'SLURM_JOB_ID'))}"
+        else:
             raise UsageError("environment: srun set SLURM_PROCID but not SLURM_JOB_NODELIST and SLURM_JOB_ID; "
                              "pass --dist-url tcp://HOST:PORT")
-        init_method = f"tcp://{first_slurm_host(nodelist)}:{slurm_port(_environment_int(environ, 'SLURM_JOB_ID'))}"
         if tasks == nodes and (cfg.nproc_per_node or gpus_visible) > 1:
             # One task per node (srun --ntasks-per-node=1): each task spawns the workers of its node.
             return Launch(launcher="slurm", init_method=init_method,
                           world_size=nodes * (cfg.nproc_per_node or gpus_visible), nodes=nodes,
-                          node_rank=_environment_int(environ, "SLURM_NODEID"),
+                          node_rank=_environment_int(environ, "SLURM_PROCID"),  # one task per node: its rank
                           procs_per_node=cfg.nproc_per_node or gpus_visible)
         if cfg.nproc_per_node not in (None, tasks // nodes):
             raise UsageError(f"argument --nproc-per-node: srun already started {tasks // nodes} processes per "
@@ -281,6 +296,9 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # the parent died before prctl took effect
+            os._exit(1)
 
 
 def data_loader_worker_init(worker_id: int) -> None:
@@ -317,6 +335,9 @@ class RendezvousError(UsageError):
 
 
 def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) -> Context:
+    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank:
+        raise RendezvousError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} are "
+                              f"visible on this node; start one process per GPU")
     device = select_device(cfg.device, local_rank)
     _use_device(device)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -330,7 +351,7 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
             replay()
     except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
         raise RendezvousError(
-            f"rank {rank} of {launch.world_size} could not join the process group at {launch.init_method} "
+            f"could not join the process group of {launch.world_size} processes at {launch.init_method} "
             f"within --dist-timeout {cfg.dist_timeout:g} s ({error_summary(error)}); check that every node runs "
             f"with the same --dist-url and --world-size, its own --rank, and can reach node 0") from None
     return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
@@ -338,24 +359,13 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
 
 
 def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int) -> None:
-    """Join the process group, train, leave. A UsageError is printed by the
-    primary process, or by the process it concerns alone (an unreadable image
-    in its share, a peer it cannot reach): never once per process."""
+    """Join the process group, train, leave."""
     rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
+    ctx = _join_process_group(cfg, launch, rank, local_rank)
     try:
-        ctx = _join_process_group(cfg, launch, rank, local_rank)
-        try:
-            train(cfg, ctx)
-        finally:
-            dist.destroy_process_group()
-    except UsageError as error:
-        if rank == 0 or getattr(error, "rank_specific", False):
-            print(f"{_program()}: error: {error}", file=sys.stderr, flush=True)
-        else:
-            # The primary process meets the same error and reports it: give it a moment before this
-            # exit makes a launcher stop the job.
-            time.sleep(1.0)
-        sys.exit(2)
+        train(cfg, ctx)
+    finally:
+        dist.destroy_process_group()
 
 
 def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
@@ -365,8 +375,24 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         _run_worker(train, cfg, launch, local_rank)
+    except UsageError as error:
+        report(error, launch.rank_of(local_rank), local_rank)
+        sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal: the launcher reports it
         sys.exit(130)
+
+
+def launched_identity(environ: Mapping[str, str] = os.environ) -> Tuple[Optional[int], Optional[int]]:
+    """(rank, local rank) of this process when a launcher (torchrun,
+    torch.distributed.launch, srun) started it as one of several; (None, None)
+    otherwise. For reporting an error once per node, even before the process
+    group exists."""
+    for rank_name, local_name, needs in (("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                                         ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")):
+        if needs in environ and environ.get(rank_name, "").isdigit():
+            local = environ.get(local_name, "")
+            return int(environ[rank_name]), int(local) if local.isdigit() else None
+    return None, None
 
 
 def _program() -> str:
@@ -382,6 +408,7 @@ def _signal_name(exitcode: int) -> str:
 
 def _stop(processes) -> None:
     """SIGTERM every live worker, then SIGKILL what is still alive after a grace period."""
+    processes = [process for process in processes if process.pid is not None]  # Ctrl-C may come mid-start
     for process in processes:
         if process.is_alive():
             process.terminate()

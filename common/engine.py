@@ -21,19 +21,22 @@ from torch.optim import Optimizer
 from common import checkpoint
 from common.checkpoint import ResumePoint
 from common.data import Loaders
-from common.distributed import Context
+from common.distributed import PER_RANK_SEED_STRIDE, Context, broadcast_buffers_from_primary
 from common.meters import EpochMetrics, MetricSums
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every GPU): initialisation is a
-    function of the seed; data order and augmentation are seeded per epoch
-    by the loaders."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Seed Python, NumPy and torch (CPU and every GPU). Each process gets its
+    own stream, so ranks do not draw the same augmentations for different
+    images; DDP copies rank 0's initial weights to every process, so the
+    model still starts from the seed's initialisation. Data order and
+    worker augmentation are seeded per epoch by the loaders."""
+    process_seed = seed + rank * PER_RANK_SEED_STRIDE
+    random.seed(process_seed)
+    np.random.seed(process_seed)
+    torch.manual_seed(process_seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +87,15 @@ class Trainer:
                 loss = self.criterion(logits, target)
             self.precision.backward_and_step(loss, self.optimizer)
             sums.add(loss, logits, target)
-            if self._should_print(step, steps):
-                progress.show(step, sums.totals(), data_wait_seconds, lr)  # the one host sync per interval
+            if self._should_print(step, steps):  # the one host sync per interval
+                status = self.precision.status()
+                progress.show(step, sums.totals(), data_wait_seconds, lr, status)
+                self.log.explain_skipped_steps(status)
             step_end = time.perf_counter()
         totals = sums.totals(self.ctx)  # summed over processes
         seconds = time.perf_counter() - start
-        return EpochMetrics.from_totals(epoch, "train", totals, steps, seconds, data_wait_seconds, lr, time.time())
+        return EpochMetrics.from_totals(epoch, "train", totals, steps, seconds, data_wait_seconds, lr, time.time(),
+                                        self.precision.status())
 
     @torch.no_grad()
     def validate(self, loader, epoch: int) -> EpochMetrics:
@@ -97,7 +103,10 @@ class Trainer:
         counted once whatever the number of processes."""
         # DDP's own module: DDP adds nothing in evaluation, and processes may have one batch more or
         # less than others here, which a collective inside DDP's forward would wait on forever.
-        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+        model = self.model
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+            broadcast_buffers_from_primary(model, self.ctx)
         model.eval()
         steps = len(loader)
         sums = MetricSums(self.ctx.device)

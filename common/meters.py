@@ -94,15 +94,18 @@ class EpochMetrics:
     data_wait_fraction: float  # share of the wall time spent waiting for the next batch
     lr: Optional[float]  # learning rate of the epoch's last step (train only)
     wall_time: float  # UNIX seconds at the end of the split
+    loss_scale: Optional[float] = None  # fp16 loss scale at the end of the split (mixed precision only)
+    skipped_steps: Optional[int] = None  # steps skipped for overflow since the run began (fp16 only)
 
     @staticmethod
     def from_totals(epoch: int, split: str, totals: MetricTotals, steps: int, seconds: float,
-                    data_wait_seconds: float, lr: Optional[float], wall_time: float) -> "EpochMetrics":
+                    data_wait_seconds: float, lr: Optional[float], wall_time: float,
+                    precision_status: Optional[dict] = None) -> "EpochMetrics":
         return EpochMetrics(
             epoch=epoch, split=split, loss=totals.loss, top1=totals.top1, top5=totals.top5,
             images=totals.count, steps=steps, seconds=seconds,
             images_per_second=totals.count / seconds if seconds > 0 else float("nan"),
             seconds_per_step=seconds / steps if steps else float("nan"),
             data_wait_fraction=data_wait_seconds / seconds if seconds > 0 else float("nan"),
-            lr=lr, wall_time=wall_time,
+            lr=lr, wall_time=wall_time, **(precision_status or {}),
         )

@@ -1,17 +1,38 @@
 """Precision policies: how the loop runs the forward pass and applies a step.
 
-The engine only calls `policy.autocast()` around the forward pass and
-`policy.backward_and_step(loss, optimizer)`; a policy's state (a loss
-scaler's, for mixed precision) travels in the checkpoint through
-`state_dict()` / `load_state_dict()`. `FP32` is plain single precision, the
-reference every faster policy is compared against.
+The engine only calls `policy.autocast()` around the forward pass,
+`policy.backward_and_step(loss, optimizer)` and, at print intervals and
+epoch ends, `policy.status()`; a policy's state (the loss scaler's) travels
+in the checkpoint through `state_dict()` / `load_state_dict()`.
+
+`FP32` is plain single precision, the reference every faster policy is
+compared against. `MixedPrecision` implements NVIDIA Apex's opt levels with
+native PyTorch AMP (torch.autocast and torch.amp.GradScaler), no Apex needed:
+
+  O0  fp32: the FP32 policy itself.
+  O1  autocast: ops on PyTorch's autocast lists (convolutions, matmuls) run in
+      fp16/bf16, the rest in fp32; weights, gradients and the optimizer stay
+      fp32; fp16 gets dynamic loss scaling.
+  O2  O1 plus channels-last memory format on GPUs (tensor cores want NHWC):
+      the fastest setting that keeps fp32 master weights and fp32 BatchNorm.
+  O3  the whole model cast to fp16/bf16 (BatchNorm too, unless
+      --keep-batchnorm-fp32 True), no fp32 master weights, no loss scaling
+      unless --loss-scale asks: a speed baseline that may diverge.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Optional, Union
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
+
+from common.cli import UsageError
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NEVER_GROW = 10**9  # growth interval (steps) of a static --loss-scale: it only halves on overflow
 
 
 class FP32:
@@ -19,20 +40,143 @@ class FP32:
 
     name = "fp32"
     opt_level = "O0"
+    channels_last = False  # FP32 leaves the memory format to --channels-last
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return model
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: Optimizer) -> bool:
-        """Back-propagate and update; returns whether the step was applied
-        (always, in fp32; a loss scaler may skip steps that overflow)."""
+    def backward_and_step(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        return True
+
+    def status(self) -> dict:
+        """Loss scale and skipped steps, for progress lines and logs (none in fp32)."""
+        return {}
+
+    def describe(self) -> str:
+        return "precision: fp32"
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class MixedPrecision(FP32):
+    """Apex opt levels O1-O3 with torch.autocast and torch.amp.GradScaler."""
+
+    def __init__(self, opt_level: str, dtype: torch.dtype, device: torch.device,
+                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None):
+        self.opt_level = opt_level
+        self.dtype = dtype
+        self.device_type = device.type
+        self.name = f"{opt_level} {'fp16' if dtype == torch.float16 else 'bf16'}"
+        self.channels_last = opt_level in ("O2", "O3") and device.type == "cuda"
+        # Apex's defaults: BatchNorm stays fp32 except in O3, where it follows the model.
+        self.keep_batchnorm_fp32 = opt_level != "O3" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
+        if loss_scale is None:  # Apex's defaults
+            loss_scale = 1.0 if opt_level == "O3" else "dynamic"
+        scaling = dtype == torch.float16 and loss_scale != 1.0  # bf16 has fp32's range: nothing to scale
+        dynamic = loss_scale == "dynamic"
+        self.scaler = torch.amp.GradScaler(
+            self.device_type, enabled=scaling,
+            init_scale=2.0**16 if dynamic or not scaling else float(loss_scale),
+            growth_interval=2000 if dynamic else NEVER_GROW,
+        )
+        self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
+        self._skipped_now = None  # the same count, on the device, while training (read only at status())
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """O3: cast the model to the half type (BatchNorm as --keep-batchnorm-fp32
+        says) and its inputs with it; the other levels keep fp32 weights."""
+        if self.opt_level != "O3":
+            return model
+        model.to(self.dtype)
+        if self.keep_batchnorm_fp32:
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.float()
+        dtype = self.dtype
+        model.register_forward_pre_hook(lambda module, args: tuple(
+            arg.to(dtype) if torch.is_tensor(arg) and arg.is_floating_point() else arg for arg in args))
+        return model
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.opt_level == "O3":
+            return contextlib.nullcontext()  # the weights are already half: nothing to cast per op
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
+        """Scaled backward and step. An overflowing step is skipped by the scaler
+        (the same on every process: DDP has averaged the gradients already) and
+        halves the scale; the skip is counted on the device, without a host sync."""
+        optimizer.zero_grad(set_to_none=True)
+        if not self.scaler.is_enabled():
+            loss.backward()
+            optimizer.step()
+            return
+        scaled_loss = self.scaler.scale(loss)  # (creates the scaler's scale tensor on the first call)
+        scale_before = self.scaler._scale.clone()  # private, but reading it avoids a host sync per step
+        scaled_loss.backward()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        skipped = (self.scaler._scale < scale_before).to(torch.int64)
+        self._skipped_now = skipped if self._skipped_now is None else self._skipped_now + skipped
+
+    def _collect(self) -> None:
+        if self._skipped_now is not None:
+            self.skipped_steps += int(self._skipped_now.item())
+            self._skipped_now = None
+
+    def status(self) -> dict:
+        if not self.scaler.is_enabled():
+            return {}
+        self._collect()
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
+
+    def describe(self) -> str:
+        parts = [f"precision: Apex opt level {self.opt_level} with native AMP, "
+                 f"{'fp16' if self.dtype == torch.float16 else 'bf16'}"]
+        if self.opt_level == "O3":
+            parts.append(f"whole model in half precision (BatchNorm in {'fp32' if self.keep_batchnorm_fp32 else 'half'})"
+                         ", no fp32 master weights: a speed baseline that may diverge")
+        else:
+            parts.append("autocast, fp32 weights and BatchNorm" + (", channels-last" if self.channels_last else ""))
+        if self.scaler.is_enabled():
+            growth = "dynamic" if self.scaler.get_growth_interval() < NEVER_GROW else "static (halves on overflow)"
+            parts.append(f"loss scale {self.scaler.get_scale():g}, {growth}")
+        else:
+            parts.append("no loss scaling")
+        return "; ".join(parts)
+
+    def state_dict(self) -> dict:
+        self._collect()
+        return {"opt_level": self.opt_level, "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
+                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None):
+    """The policy of --opt-level; --amp-dtype defaults to fp16 on CUDA GPUs
+    and bf16 on the CPU (where fp16 autocast is many times slower than fp32)."""
+    if opt_level == "O0":
+        return FP32()
+    dtype_name = amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    if dtype_name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError(f"argument --amp-dtype: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16")
+    if keep_batchnorm_fp32 is False and opt_level in ("O1", "O2"):
+        raise UsageError(f"argument --keep-batchnorm-fp32: {opt_level} keeps fp32 weights, BatchNorm included; "
+                         f"False is for O3")
+    if opt_level == "O3" and dtype_name == "fp16" and loss_scale not in (None, 1.0):
+        raise UsageError("argument --loss-scale: O3 keeps no fp32 master weights to unscale gradients into; "
+                         "it trains unscaled (use O1 or O2 for loss scaling)")
+    return MixedPrecision(opt_level, DTYPES[dtype_name], device, keep_batchnorm_fp32, loss_scale)

@@ -41,7 +41,8 @@ METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 _SCALARS = {
     "train": {"Loss/train": "loss", "Top1/train": "top1", "Top5/train": "top5",
               "Throughput/train": "images_per_second", "Time/train": "seconds_per_step",
-              "Data/wait_fraction": "data_wait_fraction", "Lr": "lr"},
+              "Data/wait_fraction": "data_wait_fraction", "Lr": "lr",
+              "Amp/loss_scale": "loss_scale", "Amp/skipped_steps": "skipped_steps"},
     "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5",
             "Throughput/val": "images_per_second", "Time/val": "seconds_per_step"},
 }
@@ -154,7 +155,8 @@ class ProgressMeter:
         self.last_count = 0
         self.last_data_wait_seconds = 0.0
 
-    def show(self, step: int, running: MetricTotals, data_wait_seconds: float, lr: Optional[float]) -> None:
+    def show(self, step: int, running: MetricTotals, data_wait_seconds: float, lr: Optional[float],
+             precision_status: Optional[dict] = None) -> None:
         now = time.perf_counter()
         interval_seconds = max(now - self.last_time, 1e-9)
         images_per_second = (running.count - self.last_count) * self.world_size / interval_seconds
@@ -165,6 +167,8 @@ class ProgressMeter:
                 f"{images_per_second:8.1f} img/s  data wait {100 * data_wait_share:3.0f}%")
         if lr is not None:
             line += f"  lr {lr:.5f}"
+        if precision_status:
+            line += f"  loss scale {precision_status['loss_scale']:g} ({precision_status['skipped_steps']} skipped)"
         print(line, flush=True)
 
 
@@ -181,10 +185,21 @@ class RunLog:
         self.is_primary = ctx.is_primary
         self.run_dir: Optional[Path] = None
         self._writer = None  # TensorBoard SummaryWriter, opened by start_run
+        self._skips_explained = False
 
     def info(self, message: str) -> None:
         if self.is_primary:
             print(message, flush=True)
+
+    def explain_skipped_steps(self, precision_status: dict) -> None:
+        """Say once, at the first skipped steps of this process's run, that they are expected."""
+        if self._skips_explained or not precision_status.get("skipped_steps"):
+            return
+        self._skips_explained = True
+        self.info(f"note: {precision_status['skipped_steps']} step(s) skipped so far because fp16 gradients "
+                  f"overflowed: normal while the loss scale finds its level (each skip halves it; now "
+                  f"{precision_status['loss_scale']:g}), and now and then after it grows. Steps skipped in a "
+                  f"row, or a scale that keeps falling, are not.")
 
     def progress_meter(self, split: str, epoch: int, steps: int, world_size: int):
         return ProgressMeter(split, epoch, steps, world_size) if self.is_primary else _SilentProgress()
@@ -279,7 +294,8 @@ class RunLog:
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s: {train.images_per_second:.1f} img/s, "
                   f"{train.seconds_per_step:.3f} s/step, data wait {100 * train.data_wait_fraction:.0f}%, "
-                  f"lr {train.lr:.5f}")
+                  f"lr {train.lr:.5f}" + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
+                                          if train.loss_scale is not None else ""))
         self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
                   f"| {val.images} images in {val.seconds:.1f} s  | best top1 {best_acc1:.2f}% (epoch {best_epoch})")
 

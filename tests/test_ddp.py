@@ -196,7 +196,7 @@ def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
     assert counts[0][2] == "7" and counts[0] == counts[1] == counts[2]
     losses = [float(re.search(r"loss ([\d.]+)", line).group(1)) for line in lines]
     assert max(losses) - min(losses) <= 1e-4
-    # The DDP-trained checkpoint validates in imagenet_nd.py as in its own last epoch (and vice versa above).
+    # imagenet_nd.py's checkpoint validates under DDP as in its own last epoch.
     assert int(counts[0][1]) == correct_count(metrics(single_run_dir(tmp_path / "runs"))[-1])
 
 
@@ -207,6 +207,21 @@ def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):
     correct, images = re.search(r"validation: .* top1 [\d.]+% \((\d+)/(\d+)\)", result.stdout).groups()
     last_val = metrics(spawned_reference)[-1]
     assert (int(correct), int(images)) == (correct_count(last_val), int(last_val["images"]))
+
+
+def test_ddp_validates_the_batchnorm_statistics_it_saves(data, tmp_path):
+    # Each process updates BatchNorm running statistics from its own share of the batch; validation must
+    # use rank 0's, which the checkpoint holds, or its numbers describe no saved model.
+    resnet = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b", "4", "-j", "0", "--epochs", "1"]
+    ddp = run_script([REPO / "imagenet_ddp.py", data, *resnet, "--nproc-per-node", "2", "--logdir", tmp_path],
+                     env_extra=ENV)
+    assert ddp.returncode == 0, ddp.stderr
+    run_dir = single_run_dir(tmp_path)
+    nd = run_script([REPO / "imagenet_nd.py", data, *resnet, "-e", "--resume", run_dir / CHECKPOINT_NAME],
+                    env_extra=ENV)
+    assert nd.returncode == 0, nd.stderr
+    loss = float(re.search(r"validation: loss ([\d.]+)", nd.stdout).group(1))
+    assert float(metrics(run_dir)[-1]["loss"]) == pytest.approx(loss, abs=2e-4)  # printed to 4 decimals
 
 
 # --- wrong launches: one line, exit 2, in bounded time ---
@@ -233,7 +248,7 @@ def test_a_peer_that_never_arrives_ends_the_job_after_dist_timeout(data):
     began = time.monotonic()
     result = run_script([REPO / "imagenet_ddp.py", data, *RUN, "--dist-url", f"tcp://127.0.0.1:{free_port()}",
                          "--world-size", "2", "--rank", "0", "--dist-timeout", "3"], timeout=120)
-    assert_one_line_error(result, "rank 0 of 2 could not join", "--dist-timeout 3 s", "1/2")
+    assert_one_line_error(result, "could not join the process group of 2 processes", "--dist-timeout 3 s", "1/2")
     assert time.monotonic() - began < 60
 
 
@@ -252,6 +267,21 @@ def test_an_error_every_process_meets_is_reported_once(data):
     result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "20", "-j", "0", "--nproc-per-node", "2"],
                         env_extra=ENV)
     assert_one_line_error(result, "argument -b/--batch-size: 20 per process")
+
+
+def test_an_error_on_another_node_is_reported_there(data, tmp_path):
+    broken = make_image_folder(tmp_path / "broken")
+    for image in (broken / "val" / "class_2").iterdir():
+        image.unlink()  # node 1's copy of the dataset lost a class's validation images
+    port = free_port()
+    nodes = [start([sys.executable, REPO / "imagenet_ddp.py", dataset, *RUN, "--dist-url", f"tcp://127.0.0.1:{port}",
+                    "--world-size", "2", "--rank", str(node), "--dist-timeout", "20", "--logdir", tmp_path / "runs"])
+             for node, dataset in ((0, data), (1, broken))]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert nodes[1].returncode == 2 and nodes[0].returncode != 0
+    errors = [line for line in outputs[1].splitlines() if "error:" in line]
+    assert errors == [f"imagenet_ddp.py: error: rank 1: {broken / 'val' / 'class_2'}: class folder has no images "
+                      f"(looked for .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"], outputs[1]
 
 
 # --- no process outlives the job ---
@@ -333,7 +363,7 @@ def test_data_parallel_on_the_cpu_is_one_replica_and_trains_as_imagenet_nd(data,
     dp = run_script([REPO / "imagenet_dp.py", *common, "--logdir", tmp_path / "dp"], env_extra=ENV)
     nd = run_script([REPO / "imagenet_nd.py", *common, "--logdir", tmp_path / "nd"], env_extra=ENV)
     assert dp.returncode == 0 and nd.returncode == 0, dp.stderr + nd.stderr
-    assert dp.stdout.count("no GPU in use: nn.DataParallel runs one replica on the CPU") == 1
+    assert dp.stdout.count("no GPU in use: one replica on the CPU, without nn.DataParallel") == 1
     dp_run, nd_run = single_run_dir(tmp_path / "dp"), single_run_dir(tmp_path / "nd")
     assert max_abs_diff(weights(dp_run), weights(nd_run)) == 0.0
     assert metrics(dp_run) == metrics(nd_run)

@@ -6,7 +6,7 @@ import pytest
 
 from common import cli
 from common.cli import UsageError
-from common.distributed import discover, first_slurm_host, slurm_port
+from common.distributed import discover, first_slurm_host, launched_identity, slurm_port
 
 
 def ddp_config(*flags):
@@ -54,6 +54,15 @@ def test_per_node_flags_under_torchrun_are_refused():
         discover(ddp_config("--world-size", "2", "--rank", "0", "--dist-url", "tcp://h:1"), env, gpus_visible=0)
     with pytest.raises(UsageError, match="argument --nproc-per-node"):
         discover(ddp_config("--nproc-per-node", "2"), env, gpus_visible=0)
+    with pytest.raises(UsageError, match="argument --dist-url: the launcher already set"):
+        discover(ddp_config("--dist-url", "tcp://h:1"), env, gpus_visible=0)
+
+
+def test_launched_identity_for_reporting_errors_before_the_group_exists():
+    assert launched_identity({}) == (None, None)
+    assert launched_identity({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8"}) == (5, 1)
+    assert launched_identity(SLURM_TWO_NODES_FOUR_TASKS_EACH) == (6, 2)
+    assert launched_identity({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}) == (None, None)  # a batch shell
 
 
 SLURM_TWO_NODES_FOUR_TASKS_EACH = {
@@ -69,9 +78,12 @@ def test_slurm_one_task_per_gpu():
     assert launch.init_method == f"tcp://gpu07:{slurm_port(123456)}"
 
 
-def test_slurm_step_nodelist_wins_over_the_job_nodelist_and_dist_url_is_honoured_as_per_node_style():
+def test_slurm_step_nodelist_wins_over_the_job_nodelist_and_dist_url_over_both():
     env = dict(SLURM_TWO_NODES_FOUR_TASKS_EACH, SLURM_STEP_NODELIST="gpu[08,07]")
     assert discover(ddp_config(), env, gpus_visible=4).init_method.startswith("tcp://gpu08:")
+    chosen = discover(ddp_config("--dist-url", "tcp://gpu07:23456"), env, gpus_visible=4)
+    assert (chosen.launcher, chosen.init_method, chosen.rank, chosen.world_size) == \
+        ("slurm", "tcp://gpu07:23456", 6, 8)
     # Explicit per-node flags mean the per-node style, even inside srun: this process spawns.
     launch = discover(ddp_config("--dist-url", "tcp://gpu07:23456", "--world-size", "2", "--rank", "1"), env,
                       gpus_visible=4)

@@ -1,7 +1,8 @@
-"""On a CUDA GPU (skipped elsewhere): the single-device script picks the GPU by itself."""
+"""On CUDA GPUs (skipped elsewhere): every script picks the GPUs by itself."""
 import csv
 import json
 import math
+import os
 
 import pytest
 
@@ -22,3 +23,36 @@ def test_synthetic_steps_on_the_gpu(tmp_path, extra):
     with open(run_dir / "metrics.csv", newline="") as handle:
         train = next(row for row in csv.DictReader(handle) if row["split"] == "train")
     assert int(train["images"]) == 3 * 64 and math.isfinite(float(train["loss"]))
+
+
+def all_gpus() -> str:
+    import torch
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+
+
+def _train_rows(run_dir):
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return [row for row in csv.DictReader(handle) if row["split"] == "train"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script, extra, name_part", [
+    ("imagenet_dp.py", [], "_gpux"),
+    ("imagenet_ddp.py", ["--dist-backend", "nccl"], "_gpux"),
+    ("imagenet_ddp.py", ["--sync-bn"], "_gpux"),
+    ("imagenet_ddp_apex.py", ["--opt-level", "O1"], "_optO1"),
+    ("imagenet_ddp_apex.py", ["--opt-level", "O2"], "_optO2"),
+])
+def test_parallel_scripts_on_the_gpus(tmp_path, script, extra, name_part):
+    """DataParallel, DDP with NCCL and SyncBatchNorm, and fp16 O1/O2 on every visible GPU: a few finite steps."""
+    result = run_script([REPO / script, "--synthetic", "-a", "resnet18", "-b", "64", "--epochs", "1",
+                         "--steps-per-epoch", "3", "--logdir", tmp_path / "runs", *extra],
+                        env_extra={"CUDA_VISIBLE_DEVICES": all_gpus()}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert name_part in run_dir.name
+    train = _train_rows(run_dir)[0]
+    assert int(train["steps"]) == 3 and math.isfinite(float(train["loss"]))
+    if "--opt-level" in extra:
+        assert float(train["loss_scale"]) > 0  # fp16 on CUDA: the scaler is on

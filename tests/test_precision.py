@@ -1,0 +1,206 @@
+"""Mixed precision: the Apex opt levels with native AMP, loss scaling that
+skips an overflowing step on every rank, the scaler in checkpoints, and
+imagenet_ddp_apex.py launched as the Apex tutorial launches it."""
+import csv
+import json
+import math
+import socket
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from common import cli
+from common.cli import UsageError
+from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
+from conftest import REPO, run_command, run_script
+from test_ddp import ENV, MODEL, free_port, max_abs_diff, metrics, single_run_dir, start, finish, weights
+
+CPU = torch.device("cpu")
+
+
+# --- the opt levels ---
+
+def test_opt_levels_and_their_apex_defaults():
+    assert isinstance(build_policy("O0", None, CPU), FP32)
+    o1 = build_policy("O1", None, CPU)
+    assert (o1.dtype, o1.scaler.is_enabled(), o1.channels_last) == (torch.bfloat16, False, False)  # bf16 on the CPU
+    fp16 = build_policy("O1", "fp16", CPU)
+    assert fp16.scaler.is_enabled() and fp16.scaler.get_scale() == 2.0**16
+    assert fp16.scaler.get_growth_interval() == 2000  # dynamic
+    static = build_policy("O2", "fp16", CPU, loss_scale=128.0)
+    assert static.scaler.get_scale() == 128.0 and static.scaler.get_growth_interval() == NEVER_GROW
+    o3 = build_policy("O3", "fp16", CPU)
+    assert not o3.scaler.is_enabled() and o3.keep_batchnorm_fp32 is False  # Apex: O3 trains unscaled
+
+
+def test_o3_casts_the_model_and_its_inputs_keeping_batchnorm_fp32_on_request():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.zeros(1, 3, 8, 8))  # materialise the lazy layer
+    policy = build_policy("O3", "bf16", CPU, keep_batchnorm_fp32=True)
+    model = policy.prepare_model(model)
+    assert model[0].weight.dtype == torch.bfloat16 and model[3].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
+    model.eval()
+    assert model(torch.randn(2, 3, 8, 8)).dtype == torch.bfloat16  # fp32 input cast by the policy
+
+
+@pytest.mark.parametrize("args, message", [
+    (("O3", "fp16", CPU, None, "dynamic"), "argument --loss-scale: O3 keeps no fp32 master weights"),
+    (("O1", "fp16", CPU, False, None), "argument --keep-batchnorm-fp32: O1 keeps fp32 weights"),
+])
+def test_impossible_combinations_are_one_line_errors(args, message):
+    with pytest.raises(UsageError, match=message):
+        build_policy(*args)
+
+
+def test_apex_flag_spellings_parse():
+    cfg = cli.parse("ddp_apex", ["--synthetic", "--b", "208", "--workers", "20", "--opt-level", "O2",
+                                 "--keep-batchnorm-fp32", "True", "--loss-scale", "128.0", "--local_rank=3"])
+    assert (cfg.batch_size, cfg.workers, cfg.opt_level, cfg.keep_batchnorm_fp32, cfg.loss_scale, cfg.local_rank) == \
+        (208, 20, "O2", True, 128.0, 3)
+    assert cli.parse("ddp_apex", ["--synthetic", "--loss-scale", "dynamic"]).loss_scale == "dynamic"
+    assert cli.parse("ddp_apex", ["--synthetic"]).opt_level == "O1"
+    assert cli.parse("nd", ["--synthetic", "--b", "7"]).batch_size == 7  # --b means -b in every script
+    for bad in (["--loss-scale", "big"], ["--keep-batchnorm-fp32", "yes"], ["--opt-level", "O4"]):
+        with pytest.raises(UsageError):
+            cli.parse("ddp_apex", ["--synthetic", *bad])
+
+
+# --- an overflowing step is skipped on every rank ---
+
+def _overflow_on_rank0_at_step_1(rank, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = MixedPrecision("O1", torch.float16, CPU)
+    history = [{"weight": model.module.weight.detach().clone()}]
+    for step in range(3):
+        with policy.autocast():  # mean, small inputs: the scaled fp16 gradients of a normal step stay finite
+            loss = model(torch.full((2, 4), 0.01 * (rank + 1))).float().mean()
+        if step == 1 and rank == 0:
+            loss = loss * float("inf")  # one rank's gradient overflows; DDP averages it into everyone's
+        policy.backward_and_step(loss, optimizer)
+        history.append({"weight": model.module.weight.detach().clone(), **policy.status()})
+    torch.save(history, out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # spawn, not fork: this process has run OpenMP-threaded ops already, which a forked child can hang on.
+    mp.start_processes(_overflow_on_rank0_at_step_1, args=(port, tmp_path), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for initial, *steps in ranks:
+        assert not torch.equal(steps[0]["weight"], initial["weight"])  # step 0 applied
+        assert torch.equal(steps[1]["weight"], steps[0]["weight"])  # step 1 skipped: weights unchanged
+        assert not torch.equal(steps[2]["weight"], steps[1]["weight"])  # step 2 applied again
+        assert [entry["loss_scale"] for entry in steps] == [2.0**16, 2.0**15, 2.0**15]
+        assert [entry["skipped_steps"] for entry in steps] == [0, 1, 1]
+    assert torch.equal(ranks[0][-1]["weight"], ranks[1][-1]["weight"])
+
+
+def test_scaler_state_round_trips():
+    policy = build_policy("O1", "fp16", CPU, loss_scale=1024.0)
+    policy.skipped_steps = 3
+    other = build_policy("O1", "fp16", CPU)
+    other.load_state_dict(policy.state_dict())
+    assert other.status() == {"loss_scale": 1024.0, "skipped_steps": 3}
+    assert other.scaler.get_growth_interval() == NEVER_GROW
+
+
+# --- imagenet_ddp_apex.py end to end ---
+
+APEX = REPO / "imagenet_ddp_apex.py"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from conftest import make_image_folder
+
+    return make_image_folder(tmp_path_factory.mktemp("apex") / "data")
+
+
+def test_o0_is_imagenet_ddp(data, tmp_path):
+    common = [data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1", "--nproc-per-node", "2"]
+    ddp = run_script([REPO / "imagenet_ddp.py", *common, "--logdir", tmp_path / "ddp"], env_extra=ENV)
+    apex = run_script([APEX, *common, "--opt-level", "O0", "--logdir", tmp_path / "apex"], env_extra=ENV)
+    assert ddp.returncode == 0 and apex.returncode == 0, ddp.stderr + apex.stderr
+    apex_run = single_run_dir(tmp_path / "apex")
+    assert max_abs_diff(weights(apex_run), weights(single_run_dir(tmp_path / "ddp"))) <= 1e-6
+    assert apex_run.name.endswith("_optO0")
+
+
+def test_the_tutorial_launch_lines_run(data, tmp_path):
+    port = free_port()
+    tutorial = ["-a", "squeezenet1_1", "--b", "4", "--workers", "1", "--opt-level", "O1", "--image-size", "32",
+                "--val-resize", "32", "--epochs", "1", "--steps-per-epoch", "2", "-p", "1", data]
+    launch = [sys.executable, "-m", "torch.distributed.launch"]
+    one_node = [start([*launch, "--nproc_per_node=2", f"--master_port={port}", APEX, *tutorial,
+                       "--logdir", tmp_path / "one"])]
+    two_nodes = [start([*launch, "--nproc_per_node=1", "--nnodes=2", f"--node_rank={node}",
+                        "--master_addr=127.0.0.1", f"--master_port={port + 1}", APEX, *tutorial,
+                        "--logdir", tmp_path / "two"]) for node in (1, 0)]
+    torchrun = [start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       "--master-port", str(port + 2), APEX, *tutorial, "--logdir", tmp_path / "torchrun"])]
+    finish(one_node + two_nodes + torchrun)
+    for name in ("one", "two", "torchrun"):
+        run_dir = single_run_dir(tmp_path / name)
+        assert run_dir.name.endswith("_squeezenet1_1_cpux2_b4_cpu1_optO1"), run_dir.name
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["resolved"]["precision"] == "O1 bf16" and config["resolved"]["global_batch"] == 8
+        assert [int(row["images"]) for row in metrics(run_dir)] == [2 * 8, 9]  # 2 steps of the global batch
+
+
+FP16_RUN = [*MODEL, "-b", "4", "-j", "0", "--epochs", "2", "--opt-level", "O1", "--amp-dtype", "fp16",
+            # A scale far too big for fp16: the first steps overflow, so skips and halvings happen
+            # in epoch 0 and the scaler's state at the checkpoint matters.
+            "--loss-scale", str(2.0**40)]
+
+
+def precision_state(run_dir):
+    return torch.load(run_dir / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["precision"]
+
+
+def test_resume_continues_the_loss_scale_and_weights_exactly(data, tmp_path):
+    whole = run_script([APEX, data, *FP16_RUN, "--logdir", tmp_path / "whole"], env_extra=ENV)
+    assert whole.returncode == 0, whole.stderr
+    first = run_script([APEX, data, *FP16_RUN, "--epochs", "1", "--logdir", tmp_path / "parts"], env_extra=ENV)
+    assert first.returncode == 0, first.stderr
+    part_dir = single_run_dir(tmp_path / "parts")
+    after_epoch_0 = precision_state(part_dir)
+    assert after_epoch_0["skipped_steps"] > 0 and after_epoch_0["scaler"]["scale"] < 2.0**40
+    rest = run_script([APEX, data, *FP16_RUN, "--resume", part_dir / "checkpoint.pth.tar"], env_extra=ENV)
+    assert rest.returncode == 0, rest.stderr
+    whole_dir = single_run_dir(tmp_path / "whole")
+    assert precision_state(part_dir) == precision_state(whole_dir)
+    assert max_abs_diff(weights(part_dir), weights(whole_dir)) <= 1e-6
+    with open(whole_dir / "metrics.csv", newline="") as handle:
+        train = [row for row in csv.DictReader(handle) if row["split"] == "train"]
+    assert float(train[-1]["loss_scale"]) == precision_state(whole_dir)["scaler"]["scale"]
+    assert int(train[-1]["skipped_steps"]) == precision_state(whole_dir)["skipped_steps"]
+    assert "normal while the loss scale finds its level" in whole.stdout
+    assert all(math.isfinite(float(row["loss"])) for row in train)
+
+
+@pytest.mark.slow
+def test_o1_bf16_trains_the_digits_as_well_as_fp32(tmp_path):
+    """The demo's recipe and epochs under imagenet_ddp_apex.py --opt-level O1 (bf16 on the CPU)."""
+    result = run_command(["bash", "run_scripts/demo.sh", "--opt-level", "O1"],
+                         env_extra={"PYTHON": sys.executable, "SCRIPT": "imagenet_ddp_apex.py",
+                                    "DATA": str(tmp_path / "digits"), "LOGDIR": str(tmp_path / "runs")},
+                         timeout=1800)
+    assert result.returncode == 0, result.stderr
+    run_dir = single_run_dir(tmp_path / "runs")
+    assert run_dir.name.endswith("_optO1")
+    val = [row for row in metrics(run_dir) if row["split"] == "val"]
+    assert len(val) == 8 and int(val[-1]["images"]) == 359
+    assert float(val[-1]["top1"]) >= 95.0, [row["top1"] for row in val]
