@@ -59,7 +59,7 @@ def test_unknown_arch_suggests_the_close_name(tmp_path):
 @pytest.mark.parametrize("flag,value", [("-b", "0"), ("--batch-size", "-3"), ("--epochs", "0"), ("--epochs", "x")])
 def test_non_positive_batch_or_epochs(tmp_path, flag, value):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
-    name = "-b/--batch-size" if flag in ("-b", "--batch-size") else "--epochs"
+    name = "-b/--batch-size/--b" if flag in ("-b", "--batch-size") else "--epochs"
     assert_usage_error(run_script(["imagenet_nd.py", root, flag, value]), f"argument {name}: expected a positive integer")
 
 
