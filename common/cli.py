@@ -282,8 +282,8 @@ def _add_precision_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-batchnorm-fp32", type=_true_false, default=None, metavar="True|False",
                        help="O3: keep BatchNorm in fp32 (default False); O1 and O2 always do")
     group.add_argument("--loss-scale", type=_loss_scale, default=None, metavar="dynamic|SCALE",
-                       help="fp16 loss scaling: dynamic (default for O1, O2), or a fixed starting scale that never "
-                            "grows (halved when a step overflows, which is then skipped); O3's default is 1 (none)")
+                       help="fp16 loss scaling for O1 and O2: dynamic (the default), or a fixed starting scale that "
+                            "never grows (halved when a step overflows, which is then skipped); O3 trains unscaled")
 
 
 def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:

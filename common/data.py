@@ -7,12 +7,11 @@ multi-hour run must neither crash later with an anonymous worker traceback
 nor hang).
 
 Reproducibility: the training order is a function of (seed, epoch), via
-DistributedSampler even in one process, and each epoch's worker seeds come
-from a generator reseeded with (seed, epoch, rank), so augmentation depends only
-on (seed, epoch, rank, worker count), not on how many epochs this process has
-already run; with no workers (-j 0) it draws from the process's RNG, whose
-state checkpoints carry. That is what makes a resumed run equal an
-uninterrupted one.
+DistributedSampler even in one process, and each epoch reseeds the worker
+seeds' generator and the process's torch RNG with (seed, epoch, rank), so
+augmentation depends only on (seed, epoch, rank, worker count), not on how
+many epochs this process has already run. That is what makes a resumed run
+equal an uninterrupted one, at any world size.
 """
 from __future__ import annotations
 
@@ -187,9 +186,14 @@ class Loaders:
 
     def set_epoch(self, epoch: int) -> None:
         """Call before each epoch: the epoch's shuffle (the same on every
-        process) and its augmentation seeds depend only on (seed, epoch, rank)."""
+        process) and everything random in it (crops in data-loading workers,
+        or with -j 0 in this process; dropout) depend only on (seed, epoch,
+        rank). A resumed run, whose processes' RNG states the checkpoint does
+        not hold, so continues exactly as an uninterrupted one."""
         self.train.sampler.set_epoch(epoch)
-        self.train.generator.manual_seed(self.seed * 100_003 + epoch + self.rank * PER_RANK_SEED_STRIDE)
+        epoch_seed = self.seed * 100_003 + epoch + self.rank * PER_RANK_SEED_STRIDE
+        self.train.generator.manual_seed(epoch_seed)
+        torch.manual_seed(epoch_seed)
 
     def train_steps(self, limit: int = 0) -> int:
         """Training steps per epoch, at most `limit` when it is set."""

@@ -107,5 +107,7 @@ class EpochMetrics:
             images_per_second=totals.count / seconds if seconds > 0 else float("nan"),
             seconds_per_step=seconds / steps if steps else float("nan"),
             data_wait_fraction=data_wait_seconds / seconds if seconds > 0 else float("nan"),
-            lr=lr, wall_time=wall_time, **(precision_status or {}),
+            lr=lr, wall_time=wall_time,
+            loss_scale=(precision_status or {}).get("loss_scale"),
+            skipped_steps=(precision_status or {}).get("skipped_steps"),
         )

@@ -16,8 +16,9 @@ native PyTorch AMP (torch.autocast and torch.amp.GradScaler), no Apex needed:
   O2  O1 plus channels-last memory format on GPUs (tensor cores want NHWC):
       the fastest setting that keeps fp32 master weights and fp32 BatchNorm.
   O3  the whole model cast to fp16/bf16 (BatchNorm too, unless
-      --keep-batchnorm-fp32 True), no fp32 master weights, no loss scaling
-      unless --loss-scale asks: a speed baseline that may diverge.
+      --keep-batchnorm-fp32 True), no fp32 master weights and so no loss
+      scaling (GradScaler cannot unscale half gradients): a speed baseline
+      that may diverge.
 """
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ class MixedPrecision(FP32):
             growth_interval=2000 if dynamic else NEVER_GROW,
         )
         self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
+        self.skipped_before_resume = 0
         self._skipped_now = None  # the same count, on the device, while training (read only at status())
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -137,7 +139,8 @@ class MixedPrecision(FP32):
         if not self.scaler.is_enabled():
             return {}
         self._collect()
-        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps,
+                "skipped_since_start": self.skipped_steps - self.skipped_before_resume}
 
     def describe(self) -> str:
         parts = [f"precision: Apex opt level {self.opt_level} with native AMP, "
@@ -161,7 +164,7 @@ class MixedPrecision(FP32):
     def load_state_dict(self, state: dict) -> None:
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_steps = self.skipped_before_resume = int(state.get("skipped_steps", 0))
 
 
 def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
@@ -171,7 +174,8 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
     if opt_level == "O0":
         return FP32()
     dtype_name = amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
-    if dtype_name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # Compute capability 8 (Ampere) brought bf16 tensor cores; older GPUs would emulate it, slowly.
+    if dtype_name == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         raise UsageError(f"argument --amp-dtype: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16")
     if keep_batchnorm_fp32 is False and opt_level in ("O1", "O2"):
         raise UsageError(f"argument --keep-batchnorm-fp32: {opt_level} keeps fp32 weights, BatchNorm included; "

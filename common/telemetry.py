@@ -192,11 +192,12 @@ class RunLog:
             print(message, flush=True)
 
     def explain_skipped_steps(self, precision_status: dict) -> None:
-        """Say once, at the first skipped steps of this process's run, that they are expected."""
-        if self._skips_explained or not precision_status.get("skipped_steps"):
+        """Say once, at the first skipped steps since this process started (a
+        resumed run's earlier ones were explained before), that they are expected."""
+        if self._skips_explained or not precision_status.get("skipped_since_start"):
             return
         self._skips_explained = True
-        self.info(f"note: {precision_status['skipped_steps']} step(s) skipped so far because fp16 gradients "
+        self.info(f"note: {precision_status['skipped_since_start']} step(s) skipped so far because fp16 gradients "
                   f"overflowed: normal while the loss scale finds its level (each skip halves it; now "
                   f"{precision_status['loss_scale']:g}), and now and then after it grows. Steps skipped in a "
                   f"row, or a scale that keeps falling, are not.")

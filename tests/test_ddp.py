@@ -224,6 +224,22 @@ def test_ddp_validates_the_batchnorm_statistics_it_saves(data, tmp_path):
     assert float(metrics(run_dir)[-1]["loss"]) == pytest.approx(loss, abs=2e-4)  # printed to 4 decimals
 
 
+def test_a_two_process_resume_equals_an_uninterrupted_run(data, tmp_path):
+    # Random crops, flips and dropout drawn in the training processes themselves (-j 0), differently
+    # on each rank: the resumed processes must draw what the uninterrupted ones drew.
+    random_run = [data, "-a", "squeezenet1_1", "--image-size", "32", "--val-resize", "32", "-b", "4", "-j", "0",
+                  "--nproc-per-node", "2", "--epochs", "2"]
+    whole = run_script([REPO / "imagenet_ddp.py", *random_run, "--logdir", tmp_path / "whole"], env_extra=ENV)
+    first = run_script([REPO / "imagenet_ddp.py", *random_run, "--epochs", "1", "--logdir", tmp_path / "parts"],
+                       env_extra=ENV)
+    assert whole.returncode == 0 and first.returncode == 0, whole.stderr + first.stderr
+    parts = single_run_dir(tmp_path / "parts")
+    rest = run_script([REPO / "imagenet_ddp.py", *random_run, "--resume", parts / CHECKPOINT_NAME], env_extra=ENV)
+    assert rest.returncode == 0, rest.stderr
+    assert max_abs_diff(weights(parts), weights(single_run_dir(tmp_path / "whole"))) <= 1e-6
+    assert metrics(parts) == metrics(single_run_dir(tmp_path / "whole"))
+
+
 # --- wrong launches: one line, exit 2, in bounded time ---
 
 def assert_one_line_error(result, *fragments):

@@ -42,8 +42,14 @@ def test_o3_casts_the_model_and_its_inputs_keeping_batchnorm_fp32_on_request():
     model = policy.prepare_model(model)
     assert model[0].weight.dtype == torch.bfloat16 and model[3].weight.dtype == torch.bfloat16
     assert model[1].weight.dtype == torch.float32 and model[1].running_mean.dtype == torch.float32
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model[0].weight.detach().clone()
+    with policy.autocast():
+        loss = model(torch.randn(2, 3, 8, 8)).float().mean()  # fp32 input cast by the policy
+    policy.backward_and_step(loss, optimizer)  # a training step with half weights and fp32 BatchNorm
+    assert model[0].weight.dtype == torch.bfloat16 and not torch.equal(model[0].weight, before)
     model.eval()
-    assert model(torch.randn(2, 3, 8, 8)).dtype == torch.bfloat16  # fp32 input cast by the policy
+    assert model(torch.randn(2, 3, 8, 8)).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("args, message", [
@@ -113,7 +119,7 @@ def test_scaler_state_round_trips():
     policy.skipped_steps = 3
     other = build_policy("O1", "fp16", CPU)
     other.load_state_dict(policy.state_dict())
-    assert other.status() == {"loss_scale": 1024.0, "skipped_steps": 3}
+    assert other.status() == {"loss_scale": 1024.0, "skipped_steps": 3, "skipped_since_start": 0}
     assert other.scaler.get_growth_interval() == NEVER_GROW
 
 
