@@ -143,6 +143,15 @@ def percent(text: str) -> float:
     return value * 100.0 if value <= 1.0 else value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except empty ones (None, False) that the help text explains."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse calls this for every parse error
         raise UsageError(f"{message} (see --help)")
@@ -157,7 +166,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=os.path.basename(sys.argv[0]) or f"imagenet_{mode}.py",
         description=_DESCRIPTIONS[mode],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,  # abbreviations turn ambiguous as flags are added
     )
     parser.add_argument(
