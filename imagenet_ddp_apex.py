@@ -21,7 +21,7 @@ def main(argv=None):
 
 def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
-    engine.seed_everything(cfg.seed, ctx.rank)
+    engine.seed_everything(cfg.seed)
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,

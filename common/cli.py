@@ -164,7 +164,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     archs = available_architectures()
     parser = _Parser(
-        prog=os.path.basename(sys.argv[0]) or f"imagenet_{mode}.py",
+        prog=program() or f"imagenet_{mode}.py",
         description=_DESCRIPTIONS[mode],
         formatter_class=_HelpFormatter,
         allow_abbrev=False,  # abbreviations turn ambiguous as flags are added
@@ -383,6 +383,11 @@ def _check_values(ns: argparse.Namespace) -> None:
             raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
 
 
+def program() -> str:
+    """The running script's name, as error lines start with it."""
+    return os.path.basename(sys.argv[0])
+
+
 def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
     """Print `error` as one `prog: error: ...` line, once per node: by this
     process if it runs alone (rank None), if it is the first process of its
@@ -390,7 +395,7 @@ def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[i
     The other processes of a node meet the same error and stay silent."""
     if rank is None or local_rank == 0 or error.rank_specific:
         where = f"rank {rank}: " if rank else ""
-        print(f"{os.path.basename(sys.argv[0])}: error: {where}{error}", file=sys.stderr, flush=True)
+        print(f"{program()}: error: {where}{error}", file=sys.stderr, flush=True)
     else:
         # Local rank 0 meets the same error and reports it: give it a moment before this process's
         # exit makes a launcher stop the job.
@@ -400,7 +405,7 @@ def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[i
 def run(main: Callable[[], object]) -> None:
     """Run an entry script's main(): a UsageError becomes one line on stderr
     and exit status 2; Ctrl-C exits with 130 without a traceback."""
-    prog = os.path.basename(sys.argv[0])
+    prog = program()
     try:
         main()
     except UsageError as error:

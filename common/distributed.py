@@ -33,13 +33,13 @@ from typing import Callable, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from common.cli import Config, UsageError, error_summary, report
+from common.cli import Config, UsageError, error_summary, program, report
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
-PER_RANK_SEED_STRIDE = 1_000_003  # rank r's random streams start from seed + r x this; rank 0's from the seed
+PER_RANK_SEED_STRIDE = 1_000_003  # each epoch, rank r's random streams start from a seed r x this apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,10 +395,6 @@ def launched_identity(environ: Mapping[str, str] = os.environ) -> Tuple[Optional
     return None, None
 
 
-def _program() -> str:
-    return os.path.basename(sys.argv[0])
-
-
 def _signal_name(exitcode: int) -> str:
     try:
         return signal.Signals(-exitcode).name
@@ -460,7 +456,7 @@ def _report_failure(failed, running) -> None:
     how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
     if code == -signal.SIGKILL:
         how += " (by the kernel's out-of-memory killer, if nobody sent it)"
-    print(f"{_program()}: error: worker {failed.name} {how}; stopped the other workers of this node",
+    print(f"{program()}: error: worker {failed.name} {how}; stopped the other workers of this node",
           file=sys.stderr, flush=True)
     sys.exit(1)
 

@@ -21,22 +21,20 @@ from torch.optim import Optimizer
 from common import checkpoint
 from common.checkpoint import ResumePoint
 from common.data import Loaders
-from common.distributed import PER_RANK_SEED_STRIDE, Context, broadcast_buffers_from_primary
+from common.distributed import Context, broadcast_buffers_from_primary
 from common.meters import EpochMetrics, MetricSums
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog
 
 
-def seed_everything(seed: int, rank: int = 0) -> None:
-    """Seed Python, NumPy and torch (CPU and every GPU). Each process gets its
-    own stream, so ranks do not draw the same augmentations for different
-    images; DDP copies rank 0's initial weights to every process, so the
-    model still starts from the seed's initialisation. Data order and
-    worker augmentation are seeded per epoch by the loaders."""
-    process_seed = seed + rank * PER_RANK_SEED_STRIDE
-    random.seed(process_seed)
-    np.random.seed(process_seed)
-    torch.manual_seed(process_seed)
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every GPU): initialisation is a
+    function of the seed (DDP copies rank 0's weights to every process);
+    each epoch's order and randomness are reseeded from (seed, epoch, rank)
+    by Loaders.set_epoch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @dataclasses.dataclass(frozen=True)
