@@ -302,8 +302,19 @@ def _die_with_parent() -> None:
 
 
 def data_loader_worker_init(worker_id: int) -> None:
-    """DataLoader worker_init_fn: data-loading processes die with their trainer."""
+    """DataLoader worker_init_fn: data-loading processes die with their
+    trainer, and say nothing when it stops in the middle of a transfer."""
     _die_with_parent()
+    sys.excepthook = _silent_when_the_trainer_is_gone
+
+
+def _silent_when_the_trainer_is_gone(kind, value, traceback) -> None:
+    # Batches travel as file descriptors, sent by a multiprocessing thread that reports a trainer
+    # closing the connection mid-send (Ctrl-C, a stopped job) through sys.excepthook: a traceback
+    # after "interrupted" that means nothing. Data errors do not come here: the DataLoader sends
+    # them to the trainer, which reports them.
+    if not issubclass(kind, (ConnectionError, EOFError)):
+        sys.__excepthook__(kind, value, traceback)
 
 
 @contextlib.contextmanager
