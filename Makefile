@@ -12,7 +12,13 @@ else
 PYTEST_SELECT := -m "not slow"
 endif
 
-.PHONY: demo test test-all venv clean
+# `make figures`: figures/ and RESULTS.md from the run directories in RUNS (default: the runs
+# committed in results/runs; e.g. `make figures RUNS=runs` for your own) and the upstream logs.
+RUNS ?= results/runs
+UPSTREAM ?= results/upstream
+NOTES ?= $(if $(filter results/runs,$(RUNS)),--notes results/NOTES.md)
+
+.PHONY: demo test test-all figures venv clean
 
 venv: $(INSTALLED)
 
@@ -29,6 +35,12 @@ test: $(INSTALLED)
 
 test-all: $(INSTALLED)
 	$(PY) -m pytest tests
+
+figures: $(INSTALLED)
+	$(PY) -m common.plots $(RUNS) --out figures
+	$(PY) -m common.plots $(UPSTREAM) --out figures/upstream
+	$(PY) -m common.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) > RESULTS.md.tmp
+	mv RESULTS.md.tmp RESULTS.md
 
 clean:
 	rm -rf runs data/digits .pytest_cache tests/.pytest_cache .hypothesis tests/.hypothesis

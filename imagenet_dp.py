@@ -49,10 +49,12 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
         log.info(f"resumed from {cfg.resume}: next epoch {start.start_epoch}, best top-1 {start.best_acc1:.2f}%")
 
     trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
-                             channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch)
+                             channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch,
+                             warmup_steps=cfg.warmup_steps)
     log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
     if cfg.evaluate:
-        log.evaluation(trainer.validate(loaders.val, start.start_epoch))
+        val, report = trainer.validate(loaders, start.start_epoch)
+        log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
         return
     log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")

@@ -79,6 +79,9 @@ class Config:
     run_name: Optional[str]
     steps_per_epoch: int
     device: str
+    io_interval: float = 60.0  # seconds between block-device I/O samples; 0: no sampling
+    warmup_steps: int = 10  # first steps of each epoch left out of throughput and data-wait figures
+    report_dir: Optional[str] = None  # --evaluate: where the per-class report goes
     opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
     amp_dtype: Optional[str] = None  # fp16 | bf16; None: fp16 on CUDA, bf16 on the CPU
     keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
@@ -257,6 +260,18 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                             "validation still covers the whole val set")
     group.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                        help="auto: CUDA when a GPU is visible, else the CPU")
+
+    group = parser.add_argument_group("measurement")
+    group.add_argument("--throughput-warmup-steps", dest="warmup_steps", type=non_negative_int, default=10,
+                       metavar="N", help="leave each epoch's first N steps (start-up, cuDNN autotuning, workers "
+                                         "filling their queues) out of images/s, s/step and data wait; a split "
+                                         "of at most 2N steps is timed whole")
+    group.add_argument("--io-interval", type=non_negative_float, default=60.0, metavar="SECONDS",
+                       help="sample the dataset's block device (read/write bytes and operations per second) "
+                            "every SECONDS into io.csv, on one process per node; 0: off")
+    group.add_argument("--report-dir", default=None, metavar="DIR",
+                       help="with --evaluate: write the per-class report (val_report.csv, "
+                            "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
     if mode in ("ddp", "ddp_apex"):
         _add_distributed_flags(parser)
     if mode == "ddp_apex":
@@ -371,6 +386,14 @@ def _check_values(ns: argparse.Namespace) -> None:
             raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
         if not os.access(resume, os.R_OK):
             raise UsageError(f"argument --resume: cannot read {resume} (permission denied)")
+    if ns.report_dir is not None:
+        if not ns.evaluate:
+            raise UsageError("argument --report-dir: only with --evaluate (training writes its per-class report "
+                             "into the run directory)")
+        for name in ("val_report.csv", "confusion_matrix.npy"):
+            if (Path(ns.report_dir) / name).exists():
+                raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
+                                 f"choose another folder (nothing is overwritten)")
     if ns.synthetic:
         return
     if ns.data is None:

@@ -16,9 +16,10 @@ equal an uninterrupted one, at any world size.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from PIL import Image
@@ -51,17 +52,36 @@ class BadImageError(UsageError):
         super().__init__(message)
 
 
-def load_rgb(path: str) -> Image.Image:
+class Sample(NamedTuple):
+    """One training or validation sample; the DataLoader collates a batch of
+    them into the same shape, with tensors. `file_bytes` is what reading the
+    image took from storage (0 for synthetic data): summed over a split and
+    over processes it is the exact volume the input pipeline read."""
+
+    image: torch.Tensor
+    target: int
+    file_bytes: int
+
+
+def read_rgb(path: str) -> Tuple[Image.Image, int]:
     """Decode any image file as 3-channel RGB (grayscale, CMYK, palette and
-    RGBA images included)."""
+    RGBA images included); also returns the bytes read from the file. The
+    file is read whole first (as decoding would anyway), which makes that
+    count exact."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")  # convert() forces the full decode: truncation shows here
+        with open(path, "rb") as handle:
+            encoded = handle.read()
+        with Image.open(io.BytesIO(encoded)) as image:
+            return image.convert("RGB"), len(encoded)  # convert() forces the full decode: truncation shows here
     except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, struct.error, ...)
         raise BadImageError(
             f"{path}: cannot decode image ({error_summary(error)}); remove or replace the file "
             f"(policy: the run stops at the first unreadable image)"
         ) from None
+
+
+def load_rgb(path: str) -> Image.Image:
+    return read_rgb(path)[0]
 
 
 def _image_files(class_dir: Path) -> List[str]:
@@ -114,9 +134,10 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> Sample:
         path, target = self.samples[index]
-        return self.transform(load_rgb(path)), target
+        image, file_bytes = read_rgb(path)
+        return Sample(self.transform(image), target, file_bytes)
 
 
 class SyntheticImages(Dataset):
@@ -135,8 +156,8 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int):
-        return self.pool[index % len(self.pool)].clone(), index % self.num_classes
+    def __getitem__(self, index: int) -> Sample:
+        return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0)
 
 
 class ShardSampler(Sampler):

@@ -117,6 +117,23 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Maximum of `tensor` over all processes, in place (peaks, not totals)."""
+    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def gather_to_primary(value, ctx: Context) -> list:
+    """Every process's `value` (a picklable object), in rank order, on the
+    primary; an empty list on the others. A collective: all must call it."""
+    if ctx.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered = [None] * ctx.world_size if ctx.is_primary else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered if ctx.is_primary else []
+
+
 def broadcast_from_primary(value, ctx: Context):
     """The primary process's `value` (any picklable object), on every process:
     how one process's decision (say, a run directory it could not create)

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import random
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -22,9 +22,9 @@ from common import checkpoint
 from common.checkpoint import ResumePoint
 from common.data import Loaders
 from common.distributed import Context, broadcast_buffers_from_primary
-from common.meters import EpochMetrics, MetricSums
+from common.meters import ClassReport, EpochMetrics, MetricSums
 from common.schedules import LRSchedule, set_lr
-from common.telemetry import RunLog
+from common.telemetry import RunLog, StepTimer
 
 
 def seed_everything(seed: int) -> None:
@@ -57,6 +57,7 @@ class Trainer:
     print_freq: int = 10
     channels_last: bool = False
     steps_per_epoch: int = 0  # 0: whole epochs
+    warmup_steps: int = 10  # first steps of each split left out of the throughput figures
 
     def _to_device(self, images: torch.Tensor, target: torch.Tensor):
         images = images.to(self.ctx.device, non_blocking=True)
@@ -71,12 +72,11 @@ class Trainer:
         self.model.train()
         steps = loaders.train_steps(self.steps_per_epoch)
         sums = MetricSums(self.ctx.device)
-        progress = self.log.progress_meter("train", epoch, steps, self.ctx.world_size)
-        data_wait_seconds = 0.0
+        progress = self.log.progress_meter("train", epoch, steps)
+        timer = StepTimer(steps, self.warmup_steps, self.ctx.device)
         lr = None
-        start = step_end = time.perf_counter()
-        for step, (images, target) in enumerate(itertools.islice(loaders.train, steps)):
-            data_wait_seconds += time.perf_counter() - step_end
+        for step, (images, target, file_bytes) in enumerate(itertools.islice(loaders.train, steps)):
+            timer.batch_ready()
             images, target = self._to_device(images, target)
             lr = self.schedule.lr(epoch, step, steps)
             set_lr(self.optimizer, lr)
@@ -84,21 +84,21 @@ class Trainer:
                 logits = self.model(images)
                 loss = self.criterion(logits, target)
             self.precision.backward_and_step(loss, self.optimizer)
-            sums.add(loss, logits, target)
+            sums.add(loss, logits, target, file_bytes=int(file_bytes.sum()), timed=timer.timing)
             if self._should_print(step, steps):  # the one host sync per interval
                 status = self.precision.status()
-                progress.show(step, sums.totals(), data_wait_seconds, lr, status)
+                progress.show(step, sums.totals(), timer, lr, status)
                 self.log.explain_skipped_steps(status)
-            step_end = time.perf_counter()
+            timer.step_done()
         totals = sums.totals(self.ctx)  # summed over processes
-        seconds = time.perf_counter() - start
-        return EpochMetrics.from_totals(epoch, "train", totals, steps, seconds, data_wait_seconds, lr, time.time(),
-                                        self.precision.status())
+        return EpochMetrics.from_totals(epoch, "train", totals, timer.finish(self.ctx), self.ctx.replicas, lr,
+                                        time.time(), self.precision.status())
 
     @torch.no_grad()
-    def validate(self, loader, epoch: int) -> EpochMetrics:
-        """Loss and top-1/top-5 over the whole validation set, each image
-        counted once whatever the number of processes."""
+    def validate(self, loaders: Loaders, epoch: int) -> Tuple[EpochMetrics, ClassReport]:
+        """Loss, top-1/top-5 and the per-class report over the whole
+        validation set, each image counted once whatever the number of
+        processes (the confusion matrix is summed over them)."""
         # DDP's own module: DDP adds nothing in evaluation, and processes may have one batch more or
         # less than others here, which a collective inside DDP's forward would wait on forever.
         model = self.model
@@ -106,24 +106,26 @@ class Trainer:
             model = model.module
             broadcast_buffers_from_primary(model, self.ctx)
         model.eval()
+        loader = loaders.val
         steps = len(loader)
-        sums = MetricSums(self.ctx.device)
-        progress = self.log.progress_meter("val", epoch, steps, self.ctx.world_size)
-        data_wait_seconds = 0.0
-        start = step_end = time.perf_counter()
-        for step, (images, target) in enumerate(loader):
-            data_wait_seconds += time.perf_counter() - step_end
+        sums = MetricSums(self.ctx.device, loaders.num_classes)
+        progress = self.log.progress_meter("val", epoch, steps)
+        timer = StepTimer(steps, self.warmup_steps, self.ctx.device)
+        for step, (images, target, file_bytes) in enumerate(loader):
+            timer.batch_ready()
             images, target = self._to_device(images, target)
             with self.precision.autocast():
                 logits = model(images)
                 loss = self.criterion(logits, target)
-            sums.add(loss, logits, target)
+            sums.add(loss, logits, target, file_bytes=int(file_bytes.sum()), timed=timer.timing)
             if self._should_print(step, steps):
-                progress.show(step, sums.totals(), data_wait_seconds, None)
-            step_end = time.perf_counter()
+                progress.show(step, sums.totals(), timer, None)
+            timer.step_done()
         totals = sums.totals(self.ctx)
-        seconds = time.perf_counter() - start
-        return EpochMetrics.from_totals(epoch, "val", totals, steps, seconds, data_wait_seconds, None, time.time())
+        report = ClassReport(sums.confusion_matrix(self.ctx))
+        metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
+                                           time.time(), macro_f1=report.macro_f1)
+        return metrics, report
 
     def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, *, arch: str, config: dict,
             desired_acc: Optional[float] = None) -> FitResult:
@@ -138,12 +140,12 @@ class Trainer:
         for epoch in range(start.start_epoch, epochs):
             loaders.set_epoch(epoch)
             train = self.train_one_epoch(loaders, epoch)
-            val = self.validate(loaders.val, epoch)
+            val, report = self.validate(loaders, epoch)
             epochs_run += 1
             is_best = val.top1 > best_acc1
             if is_best:
                 best_acc1, best_epoch = val.top1, epoch
-            self.log.epoch_end(train, val, best_acc1, best_epoch)
+            self.log.epoch_end(train, val, report, loaders.classes, best_acc1, best_epoch)
             if self.log.is_primary:
                 state = checkpoint.training_state(
                     model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from common.distributed import Context, all_reduce_sum
@@ -30,29 +31,53 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int] =
 
 
 class MetricSums:
-    """Running sums of one split's loss, top-1 and top-5 hits and sample count."""
+    """Running sums of one split: loss, top-1 and top-5 hits and sample count
+    on the device; on the host, the images timed for throughput (those after
+    the warm-up steps) and the bytes read from image files; optionally the
+    confusion matrix, also on the device."""
 
     # Positions in the sums vector.
     LOSS, TOP1, TOP5, COUNT = range(4)
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, num_classes: int = 0):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.timed_count = 0
+        self.file_bytes = 0
+        self.num_classes = num_classes
+        # Flattened [true class, predicted class] counts; num_classes 0: none kept.
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device) if num_classes else None
 
-    def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
-        """Add one batch: `loss_mean` is the criterion's mean over the batch."""
+    def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, *, file_bytes: int = 0,
+            timed: bool = True) -> None:
+        """Add one batch: `loss_mean` is the criterion's mean over the batch;
+        `timed`: the batch counts for throughput (it is past the warm-up)."""
         count = target.size(0)
+        logits = logits.detach()
         self.sums[self.LOSS] += loss_mean.detach().double() * count
-        self.sums[self.TOP1:self.COUNT] += topk_correct(logits.detach(), target, (1, 5))
+        self.sums[self.TOP1:self.COUNT] += topk_correct(logits, target, (1, 5))
         self.sums[self.COUNT] += count
+        self.timed_count += count if timed else 0
+        self.file_bytes += file_bytes
+        if self.confusion is not None:
+            predicted = logits.argmax(dim=1)
+            self.confusion += torch.bincount(target * self.num_classes + predicted, minlength=self.confusion.numel())
 
     def totals(self, ctx: Optional[Context] = None) -> "MetricTotals":
         """The sums as Python numbers; with `ctx`, summed over all processes
         first (a collective: every process must call it)."""
-        sums = self.sums.clone()
+        host = torch.tensor([self.timed_count, self.file_bytes], dtype=torch.float64, device=self.sums.device)
+        sums = torch.cat([self.sums, host])  # one reduction for all: float64 counts bytes exactly up to 2**53
         if ctx is not None:
             all_reduce_sum(sums, ctx)
-        loss_sum, top1, top5, count = sums.tolist()
-        return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count))
+        loss_sum, top1, top5, count, timed_count, file_bytes = sums.tolist()
+        return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count),
+                            timed_count=int(timed_count), file_bytes=int(file_bytes))
+
+    def confusion_matrix(self, ctx: Context) -> np.ndarray:
+        """The [true class, predicted class] counts summed over all processes
+        (a collective), as a num_classes x num_classes int64 array."""
+        confusion = all_reduce_sum(self.confusion.clone(), ctx)
+        return confusion.cpu().numpy().reshape(self.num_classes, self.num_classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +86,8 @@ class MetricTotals:
     top1_correct: int
     top5_correct: int
     count: int
+    timed_count: int = 0  # images after the warm-up steps
+    file_bytes: int = 0  # read from image files
 
     @property
     def loss(self) -> float:
@@ -78,8 +105,65 @@ class MetricTotals:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClassReport:
+    """Per-class precision, recall, F1 and support from a confusion matrix
+    (rows: true class, columns: predicted class), in percent. A class never
+    predicted has precision 0; macro averages are over the classes that have
+    validation images; micro averages pool every image, so for single-label
+    classification micro precision = recall = F1 = top-1."""
+
+    confusion: np.ndarray
+
+    @property
+    def support(self) -> np.ndarray:
+        return self.confusion.sum(axis=1)
+
+    def _ratio(self, numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+        return np.divide(100.0 * numerator, denominator, out=np.zeros(len(numerator)), where=denominator > 0)
+
+    @property
+    def precision(self) -> np.ndarray:
+        return self._ratio(np.diag(self.confusion), self.confusion.sum(axis=0))
+
+    @property
+    def recall(self) -> np.ndarray:
+        return self._ratio(np.diag(self.confusion), self.support)
+
+    @property
+    def f1(self) -> np.ndarray:
+        precision, recall = self.precision, self.recall
+        return self._ratio(2 * precision * recall / 100.0, precision + recall)
+
+    def macro(self, values: np.ndarray) -> float:
+        present = self.support > 0
+        return float(values[present].mean()) if present.any() else float("nan")
+
+    @property
+    def macro_f1(self) -> float:
+        return self.macro(self.f1)
+
+    @property
+    def micro(self) -> float:
+        total = self.confusion.sum()
+        return 100.0 * float(np.trace(self.confusion)) / total if total else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTiming:
+    """Where one split's wall time went, on this process (see telemetry.StepTimer)."""
+
+    steps: int
+    warmup_steps: int  # the first steps, left out of the rates below
+    seconds: float  # wall time of the whole split
+    timed_seconds: float  # wall time of the steps after the warm-up
+    data_wait_seconds: float  # of timed_seconds, waiting for the next batch
+    peak_memory_mib: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EpochMetrics:
-    """One row of metrics.csv: one split of one epoch, over all processes."""
+    """One row of metrics.csv: one split of one epoch, over all processes.
+    Rates (images/s, s/step, data wait) leave out the split's warm-up steps."""
 
     epoch: int  # 0-based, as in progress lines and --start-epoch
     split: str  # "train" or "val"
@@ -88,26 +172,37 @@ class EpochMetrics:
     top5: float  # percent
     images: int  # images processed by all processes together
     steps: int  # steps (batches) per process
-    seconds: float  # wall time of the split
-    images_per_second: float  # global: images / seconds
-    seconds_per_step: float
-    data_wait_fraction: float  # share of the wall time spent waiting for the next batch
+    seconds: float  # wall time of the split, every step
+    images_per_second: float  # global, after the warm-up steps
+    seconds_per_step: float  # after the warm-up steps
+    data_wait_fraction: float  # share of the wall time after warm-up spent waiting for the next batch
     lr: Optional[float]  # learning rate of the epoch's last step (train only)
     wall_time: float  # UNIX seconds at the end of the split
     loss_scale: Optional[float] = None  # fp16 loss scale at the end of the split (mixed precision only)
     skipped_steps: Optional[int] = None  # steps skipped for overflow since the run began (fp16 only)
+    images_per_second_per_gpu: Optional[float] = None  # per replica: GPU, or CPU process
+    warmup_steps: Optional[int] = None  # first steps left out of the rates
+    peak_memory_mib: Optional[float] = None  # max over processes; see telemetry.peak_memory_mib
+    dataset_bytes: Optional[int] = None  # read from image files by all processes during the split
+    macro_f1: Optional[float] = None  # percent, validation only
 
     @staticmethod
-    def from_totals(epoch: int, split: str, totals: MetricTotals, steps: int, seconds: float,
-                    data_wait_seconds: float, lr: Optional[float], wall_time: float,
-                    precision_status: Optional[dict] = None) -> "EpochMetrics":
+    def from_totals(epoch: int, split: str, totals: MetricTotals, timing: SplitTiming, replicas: int,
+                    lr: Optional[float], wall_time: float, precision_status: Optional[dict] = None,
+                    macro_f1: Optional[float] = None) -> "EpochMetrics":
+        timed_steps = timing.steps - timing.warmup_steps
+        images_per_second = totals.timed_count / timing.timed_seconds if timing.timed_seconds > 0 else float("nan")
         return EpochMetrics(
             epoch=epoch, split=split, loss=totals.loss, top1=totals.top1, top5=totals.top5,
-            images=totals.count, steps=steps, seconds=seconds,
-            images_per_second=totals.count / seconds if seconds > 0 else float("nan"),
-            seconds_per_step=seconds / steps if steps else float("nan"),
-            data_wait_fraction=data_wait_seconds / seconds if seconds > 0 else float("nan"),
+            images=totals.count, steps=timing.steps, seconds=timing.seconds,
+            images_per_second=images_per_second,
+            seconds_per_step=timing.timed_seconds / timed_steps if timed_steps else float("nan"),
+            data_wait_fraction=(timing.data_wait_seconds / timing.timed_seconds if timing.timed_seconds > 0
+                                else float("nan")),
             lr=lr, wall_time=wall_time,
             loss_scale=(precision_status or {}).get("loss_scale"),
             skipped_steps=(precision_status or {}).get("skipped_steps"),
+            images_per_second_per_gpu=images_per_second / replicas,
+            warmup_steps=timing.warmup_steps, peak_memory_mib=timing.peak_memory_mib,
+            dataset_bytes=totals.file_bytes, macro_f1=macro_f1,
         )

@@ -7,8 +7,20 @@ A run directory holds everything about one run:
   resumes.jsonl       one line per --resume into this directory (append-only)
   before-resume-*/    what a resume from an earlier epoch would otherwise overwrite
   metrics.csv         one row per epoch and split (columns: meters.EpochMetrics)
-  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based)
+  io.csv              block-device read/write rates sampled on each node (IOSampler)
+  val_report.csv      per-class precision, recall, F1, support of the last epoch; val_report_best.csv
+                      of the best; confusion_matrix.npy, confusion_matrix_best.npy: their counts
+  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based), or
+                      steps completed for the per-interval `*_interval` tags
   checkpoint.pth.tar, model_best.pth.tar
+
+Timing costs no device synchronisation per step: the host reads the clock
+when a batch arrives and when a step is queued; the device is synchronised
+only where a measurement needs it (the end of the warm-up steps, and the
+print intervals and epoch ends, which read the metrics anyway). So
+`data wait` is the time the host waited for the input pipeline: when the
+device is the bottleneck the host runs ahead and waits at those syncs
+instead, and the share is small; when the pipeline is, it is large.
 """
 from __future__ import annotations
 
@@ -19,33 +31,242 @@ import itertools
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
 
 import torch
 import torchvision
 
 from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
 from common.cli import Config, UsageError
-from common.distributed import Context, broadcast_from_primary
-from common.meters import EpochMetrics, MetricTotals
+from common.distributed import Context, all_reduce_max, broadcast_from_primary, gather_to_primary
+from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
+IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
+              "read_ops_per_second", "write_ops_per_second"]
+MIB = 2 ** 20
 
 # TensorBoard tag -> EpochMetrics field, per split; tags as in the upstream reference logs.
 _SCALARS = {
     "train": {"Loss/train": "loss", "Top1/train": "top1", "Top5/train": "top5",
               "Throughput/train": "images_per_second", "Time/train": "seconds_per_step",
               "Data/wait_fraction": "data_wait_fraction", "Lr": "lr",
-              "Amp/loss_scale": "loss_scale", "Amp/skipped_steps": "skipped_steps"},
+              "Amp/loss_scale": "loss_scale", "Amp/skipped_steps": "skipped_steps",
+              "Throughput/train_per_gpu": "images_per_second_per_gpu", "Memory/peak_mib": "peak_memory_mib",
+              "IO/dataset_bytes_train": "dataset_bytes"},
     "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5",
-            "Throughput/val": "images_per_second", "Time/val": "seconds_per_step"},
+            "Throughput/val": "images_per_second", "Time/val": "seconds_per_step", "F1/val_macro": "macro_f1",
+            "Data/wait_fraction_val": "data_wait_fraction", "IO/dataset_bytes_val": "dataset_bytes"},
 }
+
+
+# --- timing, memory and I/O ---
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """On a GPU, the peak memory held by tensors since the last reset (the
+    split's start: see StepTimer); on the CPU, the peak resident memory of
+    this process since it started (data-loading workers not included)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+class StepTimer:
+    """Wall time of one split's steps on this process. The first
+    `warmup_steps` are left out of the rates (start-up, cuDNN autotuning,
+    workers filling their queues), unless the split has at most twice as
+    many steps, when every step counts. Call batch_ready() when a batch
+    arrives and step_done() when its step is queued."""
+
+    def __init__(self, steps: int, warmup_steps: int, device: torch.device):
+        self.warmup_steps = warmup_steps if steps > 2 * warmup_steps else 0
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.completed = 0
+        self.data_wait_seconds = 0.0  # after the warm-up
+        self.all_data_wait_seconds = 0.0  # every step, for the print intervals
+        self.start = self.timed_start = self.step_end = time.perf_counter()
+
+    @property
+    def timing(self) -> bool:
+        """Whether the current step counts for the rates (it is past the warm-up)."""
+        return self.completed >= self.warmup_steps
+
+    def batch_ready(self) -> None:
+        wait = time.perf_counter() - self.step_end
+        self.all_data_wait_seconds += wait
+        if self.timing:
+            self.data_wait_seconds += wait
+
+    def step_done(self) -> None:
+        self.completed += 1
+        if self.completed == self.warmup_steps:
+            synchronize(self.device)  # the warm-up's queued work is not billed to the timed steps
+            self.timed_start = time.perf_counter()
+        self.step_end = time.perf_counter()
+
+    def finish(self, ctx: Context) -> SplitTiming:
+        """The split's timing; call after the epoch's metrics are reduced (which
+        waits for the device and the slowest process). A collective: the peak
+        memory is the maximum over processes."""
+        now = time.perf_counter()
+        peak = all_reduce_max(torch.tensor([peak_memory_mib(self.device)], device=ctx.device), ctx).item()
+        return SplitTiming(steps=self.completed, warmup_steps=self.warmup_steps, seconds=now - self.start,
+                           timed_seconds=now - self.timed_start, data_wait_seconds=self.data_wait_seconds,
+                           peak_memory_mib=peak)
+
+
+class DiskCounters(NamedTuple):
+    """Cumulative counters of one block device, from /proc/diskstats."""
+
+    major: int
+    minor: int
+    reads: int  # completed read operations
+    read_bytes: int
+    writes: int
+    write_bytes: int
+
+
+def read_diskstats(path: str = "/proc/diskstats") -> Dict[str, DiskCounters]:
+    """Block devices by name; diskstats counts in 512-byte sectors, whatever
+    the device's own sector size."""
+    devices = {}
+    with open(path) as handle:
+        for line in handle:
+            fields = line.split()
+            if len(fields) >= 10:
+                major, minor, name = int(fields[0]), int(fields[1]), fields[2]
+                devices[name] = DiskCounters(major, minor, int(fields[3]), 512 * int(fields[5]), int(fields[7]),
+                                             512 * int(fields[9]))
+    return devices
+
+
+def _filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system holding `path` (the longest mount point above it)."""
+    target, best, fstype = os.path.realpath(path), "", "unknown"
+    try:
+        with open(mountinfo) as handle:
+            for line in handle:
+                before, _, after = line.partition(" - ")
+                mount_point = before.split()[4].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) > len(best):
+                    best, fstype = mount_point, after.split()[0]
+    except (OSError, IndexError):
+        pass
+    return fstype
+
+
+def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Optional[str], str]:
+    """The diskstats name of the block device holding `path`, or None and why
+    there is none (a network or virtual file system: NFS, Lustre, GPFS,
+    overlay, tmpfs, btrfs subvolumes)."""
+    try:
+        devices = read_diskstats(diskstats)
+    except OSError as error:
+        return None, f"no block-device counters on this system ({diskstats}: {error.strerror})"
+    st_dev = os.stat(path).st_dev
+    for name, counters in devices.items():
+        if (counters.major, counters.minor) == (os.major(st_dev), os.minor(st_dev)):
+            return name, ""
+    return None, f"no block-device counters for {path} (on a {_filesystem_type(path)} file system)"
+
+
+class IOSampler:
+    """Samples the read and write rates of the block device holding the
+    dataset every `interval_seconds`, in a background thread (run on one
+    process per node). Where there are no counters, each sample says so
+    with empty values: missing, not zero."""
+
+    def __init__(self, dataset_path: str, interval_seconds: float, diskstats: str = "/proc/diskstats",
+                 clock=time.time):
+        self.interval_seconds = interval_seconds
+        self.diskstats, self.clock = diskstats, clock
+        self.host = socket.gethostname().split(".")[0]
+        self.device, self.missing_reason = block_device_of(dataset_path, diskstats)
+        self.rows: List[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="io-sampler", daemon=True)
+        self._last = self._read()
+
+    def _read(self) -> Tuple[float, Optional[DiskCounters]]:
+        counters = read_diskstats(self.diskstats).get(self.device) if self.device else None
+        return self.clock(), counters
+
+    def sample(self) -> None:
+        """Record the rates since the previous sample."""
+        (then, before), (now, after) = self._last, self._read()
+        self._last = (now, after)
+        row = {"wall_time": round(now, 3), "host": self.host, "device": self.device or f"none: {self.missing_reason}"}
+        if before is not None and after is not None and now > then:
+            seconds = now - then
+            row.update(read_bytes_per_second=(after.read_bytes - before.read_bytes) / seconds,
+                       write_bytes_per_second=(after.write_bytes - before.write_bytes) / seconds,
+                       read_ops_per_second=(after.reads - before.reads) / seconds,
+                       write_ops_per_second=(after.writes - before.writes) / seconds)
+        with self._lock:
+            self.rows.append(row)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            self.sample()
+
+    def start(self) -> "IOSampler":
+        self._thread.start()
+        return self
+
+    def take_rows(self) -> List[dict]:
+        with self._lock:
+            rows, self.rows = self.rows, []
+        return rows
+
+    def stop(self) -> None:
+        """Stop sampling; the time since the last sample becomes a last row if it is a second or more."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.clock() - self._last[0] >= 1.0:
+            self.sample()
+
+
+def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_path: Path, npy_path: Path) -> None:
+    """val_report.csv (a row per class, then the macro and micro averages; in
+    percent) and the confusion counts as .npy, each written whole and then
+    renamed into place, so a reader never sees half a file."""
+    temporary = csv_path.with_name(f".{csv_path.name}.tmp")
+    with open(temporary, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["epoch", "class", "precision_percent", "recall_percent", "f1_percent", "support"])
+        for name, precision, recall, f1, support in zip(classes, report.precision, report.recall, report.f1,
+                                                          report.support):
+            writer.writerow([epoch, name, f"{precision:.4f}", f"{recall:.4f}", f"{f1:.4f}", int(support)])
+        present = int((report.support > 0).sum())
+        writer.writerow([epoch, f"macro avg ({present} classes with images)", f"{report.macro(report.precision):.4f}",
+                         f"{report.macro(report.recall):.4f}", f"{report.macro_f1:.4f}", int(report.support.sum())])
+        writer.writerow([epoch, "micro avg", *(f"{report.micro:.4f}",) * 3, int(report.support.sum())])
+    os.replace(temporary, csv_path)
+    temporary = npy_path.with_name(f".{npy_path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        np.save(handle, report.confusion)
+    os.replace(temporary, npy_path)
 
 
 def _cpu_model() -> str:
@@ -141,35 +362,59 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-class ProgressMeter:
-    """Progress lines of one split of one epoch, printed by the primary process.
-    Loss and accuracy are running averages over this process's batches of
-    the epoch so far; images/s is over the last print interval, for all
-    processes (this process's rate x world size), and so is the share of
-    wall time spent waiting for the next batch."""
+def _format_bytes(count: Optional[int]) -> str:
+    if not count:
+        return "0 B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
 
-    def __init__(self, split: str, epoch: int, steps: int, world_size: int):
-        self.split, self.epoch, self.steps, self.world_size = split, epoch, steps, world_size
+
+class ProgressMeter:
+    """Progress lines of one split of one epoch, printed by the primary
+    process, and the same figures per interval in TensorBoard. Loss and
+    accuracy are running averages over this process's batches of the epoch
+    so far; images/s is over the last print interval, for all processes
+    (this process's rate x processes), and so is the share of wall time
+    spent waiting for the next batch. An interval that holds warm-up steps
+    says so."""
+
+    def __init__(self, split: str, epoch: int, steps: int, world_size: int, replicas: int, writer=None):
+        self.split, self.epoch, self.steps, self.world_size, self.replicas = split, epoch, steps, world_size, replicas
+        self.writer = writer
         self.width = len(str(steps))
         self.last_time = time.perf_counter()
         self.last_count = 0
+        self.last_step = 0
         self.last_data_wait_seconds = 0.0
 
-    def show(self, step: int, running: MetricTotals, data_wait_seconds: float, lr: Optional[float],
+    def show(self, step: int, running: MetricTotals, timer: StepTimer, lr: Optional[float],
              precision_status: Optional[dict] = None) -> None:
         now = time.perf_counter()
         interval_seconds = max(now - self.last_time, 1e-9)
         images_per_second = (running.count - self.last_count) * self.world_size / interval_seconds
-        data_wait_share = (data_wait_seconds - self.last_data_wait_seconds) / interval_seconds
-        self.last_time, self.last_count, self.last_data_wait_seconds = now, running.count, data_wait_seconds
+        seconds_per_step = interval_seconds / max(step + 1 - self.last_step, 1)
+        data_wait_share = (timer.all_data_wait_seconds - self.last_data_wait_seconds) / interval_seconds
+        warmup = self.last_step < timer.warmup_steps
+        self.last_time, self.last_count, self.last_step = now, running.count, step + 1
+        self.last_data_wait_seconds = timer.all_data_wait_seconds
         line = (f"{self.split:5s} epoch {self.epoch} [{step + 1:{self.width}d}/{self.steps}]  "
                 f"loss {running.loss:.4f}  top1 {running.top1:6.2f}%  top5 {running.top5:6.2f}%  "
-                f"{images_per_second:8.1f} img/s  data wait {100 * data_wait_share:3.0f}%")
+                f"{images_per_second:8.1f} img/s ({images_per_second / self.replicas:.1f}/gpu)  "
+                f"{seconds_per_step:.3f} s/step  data wait {100 * data_wait_share:3.0f}%  "
+                f"mem {peak_memory_mib(timer.device):.0f} MiB")
         if lr is not None:
             line += f"  lr {lr:.5f}"
         if precision_status:
             line += f"  loss scale {precision_status['loss_scale']:g} ({precision_status['skipped_steps']} skipped)"
-        print(line, flush=True)
+        print(line + ("  (warm-up)" if warmup else ""), flush=True)
+        if self.writer is not None:
+            global_step = self.epoch * self.steps + step + 1
+            for tag, value in ((f"Throughput/{self.split}_interval", images_per_second),
+                               (f"Time/{self.split}_interval", seconds_per_step),
+                               (f"Data/wait_fraction_{self.split}_interval", data_wait_share)):
+                self.writer.add_scalar(tag, value, global_step=global_step)
 
 
 class _SilentProgress:
@@ -186,6 +431,7 @@ class RunLog:
         self.run_dir: Optional[Path] = None
         self._writer = None  # TensorBoard SummaryWriter, opened by start_run
         self._skips_explained = False
+        self._io_sampler: Optional[IOSampler] = None  # on local rank 0 of each node, from start_run
 
     def info(self, message: str) -> None:
         if self.is_primary:
@@ -202,8 +448,10 @@ class RunLog:
                   f"{precision_status['loss_scale']:g}), and now and then after it grows. Steps skipped in a "
                   f"row, or a scale that keeps falling, are not.")
 
-    def progress_meter(self, split: str, epoch: int, steps: int, world_size: int):
-        return ProgressMeter(split, epoch, steps, world_size) if self.is_primary else _SilentProgress()
+    def progress_meter(self, split: str, epoch: int, steps: int):
+        if not self.is_primary:
+            return _SilentProgress()
+        return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._writer)
 
     def start_run(self, cfg: Config, start_epoch: int, resolved: dict) -> Optional[Path]:
         """Create (or, on --resume, reopen) the run directory and record the
@@ -219,6 +467,7 @@ class RunLog:
         failure = broadcast_from_primary(failure, self.ctx)
         if failure is not None:
             raise UsageError(failure)
+        self._start_io_sampler(cfg)
         if not self.is_primary:
             return None
         self.run_dir = run_dir
@@ -243,6 +492,36 @@ class RunLog:
         # purge_step hides events of epochs that are now being redone; TensorBoard steps are 1-based epochs.
         self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_epoch + 1 if resuming else None)
         return run_dir
+
+    def _start_io_sampler(self, cfg: Config) -> None:
+        """One process per node samples (local rank 0): the dataset's
+        device, or for --synthetic runs the log directory's."""
+        if cfg.io_interval <= 0 or self.ctx.local_rank != 0:
+            return
+        self._io_sampler = IOSampler(cfg.logdir if cfg.synthetic else cfg.data, cfg.io_interval).start()
+        if self._io_sampler.device is None:
+            print(f"note: I/O sampling on {self._io_sampler.host}: {self._io_sampler.missing_reason}; io.csv "
+                  f"marks its samples missing (the bytes the input pipeline read are in metrics.csv, "
+                  f"dataset_bytes)", flush=True)
+
+    def _write_io_samples(self) -> None:
+        """Bring every node's I/O samples to the primary (a collective) and append them to io.csv."""
+        rows = self._io_sampler.take_rows() if self._io_sampler is not None else []
+        gathered = [row for rank_rows in gather_to_primary(rows, self.ctx) for row in rank_rows]
+        if not self.is_primary or self.run_dir is None or not gathered:
+            return
+        path = self.run_dir / "io.csv"
+        new_file = not path.is_file()
+        with open(path, "a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=IO_COLUMNS)
+            if new_file:
+                writer.writeheader()
+            writer.writerows(gathered)
+        for row in gathered:  # TensorBoard step: UNIX seconds, which keep increasing across resumes
+            if "read_bytes_per_second" in row:
+                for field in IO_COLUMNS[3:]:
+                    self._writer.add_scalar(f"IO/{row['host']}/{field}", row[field],
+                                            global_step=int(row["wall_time"]), walltime=row["wall_time"])
 
     def _set_aside_later_epochs(self, start_epoch: int) -> None:
         """Resuming from an earlier epoch than the run directory reached (say,
@@ -289,24 +568,50 @@ class RunLog:
                 self._writer.add_scalar(tag, value, global_step=metrics.epoch + 1, walltime=metrics.wall_time)
         self._writer.flush()
 
-    def epoch_end(self, train: EpochMetrics, val: EpochMetrics, best_acc1: float, best_epoch: Optional[int]) -> None:
+    def epoch_end(self, train: EpochMetrics, val: EpochMetrics, report: ClassReport, classes: List[str],
+                  best_acc1: float, best_epoch: Optional[int]) -> None:
+        """Every process calls it (the I/O samples are gathered); the primary
+        writes the metrics, the per-class report (val_report.csv; also
+        val_report_best.csv when this epoch is the best) and the I/O samples."""
+        self._write_io_samples()
         self.log_metrics(train)
         self.log_metrics(val)
+        if self.is_primary and self.run_dir is not None:
+            write_class_report(report, classes, val.epoch, self.run_dir / "val_report.csv",
+                               self.run_dir / "confusion_matrix.npy")
+            if best_epoch == val.epoch:
+                write_class_report(report, classes, val.epoch, self.run_dir / "val_report_best.csv",
+                                   self.run_dir / "confusion_matrix_best.npy")
+        warmup = f" after {train.warmup_steps} warm-up steps" if train.warmup_steps else ""
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
-                  f"| {train.images} images in {train.seconds:.1f} s: {train.images_per_second:.1f} img/s, "
-                  f"{train.seconds_per_step:.3f} s/step, data wait {100 * train.data_wait_fraction:.0f}%, "
-                  f"lr {train.lr:.5f}" + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
-                                          if train.loss_scale is not None else ""))
+                  f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
+                  f"({train.images_per_second_per_gpu:.1f}/gpu), {train.seconds_per_step:.3f} s/step, data wait "
+                  f"{100 * train.data_wait_fraction:.0f}%{warmup}; read {_format_bytes(train.dataset_bytes)}, "
+                  f"peak mem {train.peak_memory_mib:.0f} MiB, lr {train.lr:.5f}"
+                  + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
+                     if train.loss_scale is not None else ""))
         self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
-                  f"| {val.images} images in {val.seconds:.1f} s  | best top1 {best_acc1:.2f}% (epoch {best_epoch})")
+                  f"macro-F1 {val.macro_f1:.2f}%  | {val.images} images in {val.seconds:.1f} s  "
+                  f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})")
 
-    def evaluation(self, val: EpochMetrics) -> None:
+    def evaluation(self, val: EpochMetrics, report: ClassReport, classes: List[str],
+                   report_dir: Optional[str] = None) -> None:
         top1_correct = round(val.top1 * val.images / 100)
         self.info(f"validation: loss {val.loss:.4f}  top1 {val.top1:.2f}% ({top1_correct}/{val.images})  "
-                  f"top5 {val.top5:.2f}%  ({val.images} images in {val.seconds:.1f} s)")
+                  f"top5 {val.top5:.2f}%  macro-F1 {val.macro_f1:.2f}%  ({val.images} images in {val.seconds:.1f} s)")
+        if self.is_primary and report_dir is not None:
+            folder = Path(report_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_class_report(report, classes, val.epoch, folder / "val_report.csv", folder / "confusion_matrix.npy")
+            self.info(f"per-class report: {folder / 'val_report.csv'} (confusion counts: "
+                      f"{folder / 'confusion_matrix.npy'})")
 
     def finish(self, result) -> None:
-        """The closing lines: how long, how good, and where everything is."""
+        """The closing lines: how long, how good, and where everything is.
+        Every process calls it (the last I/O samples are gathered)."""
+        if self._io_sampler is not None:
+            self._io_sampler.stop()
+        self._write_io_samples()
         if self._writer is not None:
             self._writer.close()
         if not self.is_primary or self.run_dir is None:
@@ -316,5 +621,6 @@ class RunLog:
         self.info(f"run directory: {self.run_dir}\n"
                   f"  metrics:     {self.run_dir / 'metrics.csv'}\n"
                   f"  config:      {self.run_dir / 'config.json'}\n"
+                  f"  per class:   {self.run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n"
                   f"  checkpoints: {self.run_dir / CHECKPOINT_NAME} (best: model_best.pth.tar)\n"
                   f"  TensorBoard: tensorboard --logdir {self.run_dir.parent}")

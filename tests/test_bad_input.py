@@ -129,6 +129,9 @@ def test_unknown_flag(tmp_path):
     (["--warmup-epochs", "9", "--epochs", "5"], "--warmup-epochs"),
     (["--run-name", "a/b"], "--run-name"),
     (["-j", "-1"], "-j/--workers"),
+    (["--report-dir", "reports"], "--report-dir"),  # only with --evaluate
+    (["--io-interval", "-1"], "--io-interval"),
+    (["--throughput-warmup-steps", "-1"], "--throughput-warmup-steps"),
 ])
 def test_value_checks_name_the_flag(argv, fragment):
     with pytest.raises(UsageError, match=fragment.replace("-", r"\-")):
@@ -144,3 +147,10 @@ def test_cuda_requested_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--device", "cuda"]), "--device")
+
+
+def test_report_dir_never_overwrites_an_earlier_report(tmp_path):
+    (tmp_path / "val_report.csv").write_text("an earlier report")
+    with pytest.raises(UsageError, match=r"\-\-report\-dir: .*val_report.csv exists"):
+        parse("nd", ["--synthetic", "--evaluate", "--report-dir", str(tmp_path)])
+    assert (tmp_path / "val_report.csv").read_text() == "an earlier report"

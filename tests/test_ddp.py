@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from common import data as data_module
 from common import engine, models
 from common.checkpoint import CHECKPOINT_NAME
 from common.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
@@ -184,20 +186,47 @@ def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
     nd = run_script([REPO / "imagenet_nd.py", data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1",
                      "--logdir", tmp_path / "runs"], env_extra=ENV)
     assert nd.returncode == 0, nd.stderr
-    checkpoint = single_run_dir(tmp_path / "runs") / CHECKPOINT_NAME
-    lines = []
+    run_dir = single_run_dir(tmp_path / "runs")
+    checkpoint = run_dir / CHECKPOINT_NAME
+    lines, reports = [], []
     for processes in (1, 2, 3):
+        report_dir = tmp_path / f"report-{processes}"
         result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "2", "-j", "0", "--nproc-per-node",
-                             processes, "-e", "--resume", checkpoint], env_extra=ENV)
+                             processes, "-e", "--resume", checkpoint, "--report-dir", report_dir], env_extra=ENV)
         assert result.returncode == 0, result.stderr
         (line,) = [line for line in result.stdout.splitlines() if line.startswith("validation:")]
         lines.append(line)
+        reports.append(((report_dir / "val_report.csv").read_text(), np.load(report_dir / "confusion_matrix.npy")))
     counts = [re.search(r"top1 ([\d.]+)% \((\d+)/(\d+)\)", line).groups() for line in lines]
     assert counts[0][2] == "7" and counts[0] == counts[1] == counts[2]
     losses = [float(re.search(r"loss ([\d.]+)", line).group(1)) for line in lines]
     assert max(losses) - min(losses) <= 1e-4
     # imagenet_nd.py's checkpoint validates under DDP as in its own last epoch.
-    assert int(counts[0][1]) == correct_count(metrics(single_run_dir(tmp_path / "runs"))[-1])
+    assert int(counts[0][1]) == correct_count(metrics(run_dir)[-1])
+    # The per-class report is identical at every world size, and is the confusion matrix counted here by
+    # hand, image by image, from the checkpoint's predictions; the training run's last epoch wrote the same.
+    assert reports[0][0] == reports[1][0] == reports[2][0]
+    by_hand = confusion_by_hand(checkpoint, data / "val")
+    assert by_hand.sum() == 7 and int(np.trace(by_hand)) == int(counts[0][1])
+    for _, confusion in reports:
+        assert confusion.tolist() == by_hand.tolist()
+    assert np.load(run_dir / "confusion_matrix.npy").tolist() == by_hand.tolist()
+
+
+def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
+    """[true, predicted] counts of the checkpoint's model over val_dir, one image at a time."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    classes = state["classes"]
+    model = models.build_model("squeezenet1_1", len(classes), dropout=0.0, image_size=32)
+    model.load_state_dict(state["state_dict"])
+    model.eval()
+    transform = data_module.val_transform(32, 32)
+    confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
+    for path in sorted(val_dir.rglob("*.JPEG")):
+        with torch.no_grad():
+            predicted = model(transform(data_module.load_rgb(str(path))).unsqueeze(0)).argmax().item()
+        confusion[classes.index(path.parent.name), predicted] += 1
+    return confusion
 
 
 def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):

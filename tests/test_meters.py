@@ -2,11 +2,12 @@
 import dataclasses
 import math
 
+import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
 from common.distributed import Context
-from common.meters import EpochMetrics, MetricSums, MetricTotals, topk_correct
+from common.meters import EpochMetrics, MetricSums, MetricTotals, SplitTiming, topk_correct
 
 # Four samples, six classes; the comment gives the rank of the target's logit.
 LOGITS = torch.tensor([
@@ -48,7 +49,7 @@ def test_metric_sums_are_sums_not_averages_of_averages():
     sums.add(torch.tensor(2.0), LOGITS, TARGET)
     sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]))
     totals = sums.totals()
-    assert totals == MetricTotals(loss_sum=15.0, top1_correct=2, top5_correct=4, count=5)
+    assert totals == MetricTotals(loss_sum=15.0, top1_correct=2, top5_correct=4, count=5, timed_count=5)
     assert totals.loss == 3.0  # (4 x 2 + 1 x 7) / 5, not (2 + 7) / 2
     assert totals.top1 == 40.0 and totals.top5 == 80.0
 
@@ -61,16 +62,30 @@ def test_totals_with_world_of_one_is_the_local_sum():
     assert sums.totals(ctx).count == 4
 
 
-def test_epoch_metrics_rates():
-    totals = MetricTotals(loss_sum=10.0, top1_correct=3, top5_correct=4, count=4)
-    metrics = EpochMetrics.from_totals(2, "train", totals, steps=2, seconds=0.5, data_wait_seconds=0.125,
-                                       lr=0.1, wall_time=1.0)
+def test_epoch_metrics_rates_leave_out_the_warm_up():
+    # 4 steps of 2 images on each of 2 processes (16 images); the first step is warm-up, so the rates
+    # cover 3 steps (12 images) in 0.5 s of a 0.75 s split, 0.125 s of which went waiting for data.
+    totals = MetricTotals(loss_sum=40.0, top1_correct=12, top5_correct=16, count=16, timed_count=12,
+                          file_bytes=123_456)
+    timing = SplitTiming(steps=4, warmup_steps=1, seconds=0.75, timed_seconds=0.5, data_wait_seconds=0.125,
+                         peak_memory_mib=42.0)
+    metrics = EpochMetrics.from_totals(2, "train", totals, timing, replicas=2, lr=0.1, wall_time=1.0)
     assert (metrics.loss, metrics.top1, metrics.top5) == (2.5, 75.0, 100.0)
-    assert metrics.images_per_second == 8.0
-    assert metrics.seconds_per_step == 0.25
+    assert (metrics.images, metrics.steps, metrics.seconds, metrics.warmup_steps) == (16, 4, 0.75, 1)
+    assert metrics.images_per_second == 24.0 and metrics.images_per_second_per_gpu == 12.0
+    assert metrics.seconds_per_step == 0.5 / 3
     assert metrics.data_wait_fraction == 0.25
+    assert (metrics.dataset_bytes, metrics.peak_memory_mib, metrics.macro_f1) == (123_456, 42.0, None)
     empty = MetricTotals(0.0, 0, 0, 0)
     assert math.isnan(empty.top1) and math.isnan(empty.loss)
+
+
+def test_warm_up_steps_and_bytes_are_counted_on_the_host():
+    sums = MetricSums(torch.device("cpu"))
+    sums.add(torch.tensor(2.0), LOGITS, TARGET, file_bytes=1000, timed=False)  # a warm-up step
+    sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]), file_bytes=24)
+    totals = sums.totals()
+    assert (totals.count, totals.timed_count, totals.file_bytes) == (5, 1, 1024)
 
 
 def _sum_over_two_processes(rank, port, out_dir):
@@ -78,13 +93,15 @@ def _sum_over_two_processes(rank, port, out_dir):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ctx = Context(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
-    sums = MetricSums(torch.device("cpu"))
+    sums = MetricSums(torch.device("cpu"), num_classes=6)
     if rank == 0:  # the two batches of test_metric_sums_are_sums_not_averages_of_averages, one per process
-        sums.add(torch.tensor(2.0), LOGITS, TARGET)
+        sums.add(torch.tensor(2.0), LOGITS, TARGET, file_bytes=1000)
     else:
-        sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]))
+        sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]), file_bytes=24,
+                 timed=False)
     totals = sums.totals(ctx)
-    (out_dir / f"rank{rank}.txt").write_text(repr(dataclasses.astuple(totals)))
+    confusion = sums.confusion_matrix(ctx)
+    (out_dir / f"rank{rank}.txt").write_text(repr((dataclasses.astuple(totals), confusion.tolist())))
     dist.destroy_process_group()
 
 
@@ -97,5 +114,9 @@ def test_totals_are_summed_across_processes(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     mp.start_processes(_sum_over_two_processes, args=(port, tmp_path), nprocs=2, start_method="fork")
-    expected = repr((15.0, 2, 4, 5))  # (4 x 2.0 + 1 x 7.0, top-1, top-5, count): one epoch's totals
+    # (4 x 2.0 + 1 x 7.0, top-1, top-5, count, timed images, bytes): one epoch's totals.
+    confusion = np.zeros((6, 6), dtype=int)
+    for true, predicted in zip(TARGET.tolist() + [1], LOGITS.argmax(dim=1).tolist() + [1]):
+        confusion[true, predicted] += 1
+    expected = repr(((15.0, 2, 4, 5, 4, 1024), confusion.tolist()))
     assert (tmp_path / "rank0.txt").read_text() == (tmp_path / "rank1.txt").read_text() == expected

@@ -1,0 +1,267 @@
+"""common.plots: the derived numbers on upstream's real logs (the acceptance
+figures) and on run directories with hand-computed values; the figures'
+files and axis labels; the notebook that draws the same figures."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import plots
+from conftest import REPO
+
+UPSTREAM = REPO / "results" / "upstream"
+# Acceptance figures from upstream's RESULTS.md and README (global images/s, mean over epochs).
+UPSTREAM_IMAGES_PER_SECOND = {2: 1582, 4: 3003, 8: 5804, 16: 11232, 32: 19477, 64: 32938}
+# Upstream's training times where its table counts every epoch (plus ~15-25 s of start-up)...
+UPSTREAM_TRAINING_SECONDS = {8: 20904, 16: 10969, 32: 6653, 64: 4071}
+# ...and where it quotes last - first end-of-epoch wall time, which leaves the first epoch out.
+UPSTREAM_LAST_MINUS_FIRST_SECONDS = {4: 39536, 2: 66790}
+
+START = 1_800_000_000.0  # UNIX seconds of the synthetic runs' first training step
+
+
+def epoch_rows(epoch: int, train_start: float, images_per_second: float, val_top1: float,
+               train_seconds: float = 100.0, val_seconds: float = 20.0, data_wait_fraction: float = 0.1) -> list:
+    """metrics.csv rows (train, val) of one epoch, as common.telemetry writes them."""
+    train = {"epoch": epoch, "split": "train", "loss": 2.0 - 0.1 * epoch, "top1": val_top1 - 5, "top5": 90.0,
+             "images": int(images_per_second * train_seconds), "steps": 10, "seconds": train_seconds,
+             "images_per_second": images_per_second, "seconds_per_step": train_seconds / 10,
+             "data_wait_fraction": data_wait_fraction, "lr": 0.1, "wall_time": train_start + train_seconds,
+             "loss_scale": "", "skipped_steps": "", "images_per_second_per_gpu": "", "warmup_steps": 2,
+             "peak_memory_mib": "", "dataset_bytes": 1000, "macro_f1": ""}
+    val = dict(train, split="val", loss=1.5, top1=val_top1, top5=95.0, images=50, steps=2, seconds=val_seconds,
+               images_per_second=50 / val_seconds, lr="", wall_time=train_start + train_seconds + val_seconds,
+               data_wait_fraction=0.0, macro_f1=val_top1 - 1)
+    return [train, val]
+
+
+def write_run(root: Path, name: str, replicas: int, rows: list, device: str = "cpu", desired_acc=None,
+              columns: list = plots.METRIC_COLUMNS, io_rows: list = None) -> Path:
+    """A run directory: config.json, metrics.csv (only `columns`), optional io.csv."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    config = {"command": f"python imagenet_ddp.py --synthetic -a resnet18 --nproc-per-node {replicas}",
+              "started": "2026-11-23T10:00:00+00:00", "start_epoch": 0,
+              "options": {"arch": "resnet18", "batch_size": 4, "epochs": 3, "desired_acc": desired_acc,
+                          "opt_level": "O0", "workers": 1, "data": None},
+              "resolved": {"global_batch": 4 * replicas, "lr": 0.1, "precision": "fp32"},
+              "environment": {"host": "node-a", "cpu_model": "Test CPU 9000", "python": "3.11.7",
+                              "torch": "2.4.0", "torchvision": "0.19.0", "cuda": None, "device": device,
+                              "world_size": replicas, "replicas": replicas, "launcher": "spawn"}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    with open(run_dir / "metrics.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    if io_rows is not None:
+        with open(run_dir / "io.csv", "w", newline="") as handle:
+            handle.write("wall_time,host,device,read_bytes_per_second,write_bytes_per_second,"
+                         "read_ops_per_second,write_ops_per_second\n")
+            handle.writelines(",".join(map(str, row)) + "\n" for row in io_rows)
+    return run_dir
+
+
+def make_runs(root: Path) -> dict:
+    """Three CPU runs with hand-computable numbers (see each comment)."""
+    # 2 processes, 3 epochs of 100 s training + 20 s validation; preempted after epoch 1 and resumed
+    # 4,640 s later (the gap is no training time): 3 x 120 = 360 s. Throughput 40, 50, 60: mean 50.
+    # An edited metrics.csv repeats epoch 1's train row: the last row (50 images/s) counts.
+    rows = (epoch_rows(0, START, 40, 30.0) + [epoch_rows(1, START + 120, 999, 0)[0]]
+            + epoch_rows(1, START + 120, 50, 55.0) + epoch_rows(2, START + 5000, 60, 60.0))
+    # io.csv: two nodes every 10 s; reads 1 and 2 MB/s (total 3); write and op counters missing (empty).
+    io_rows = [(START + t + offset, host, "sda", read, "", "", "")
+               for t in (0, 10, 20) for host, offset, read in (("a", 0.0, 1e6), ("b", 0.4, 2e6))]
+    two = write_run(root, "Nov23_10-00-00_node-a_resnet18_cpux2_b4_cpu1_optO0", 2, rows, desired_acc=50.0,
+                    io_rows=io_rows)
+    # Two 4-process runs in an older format (no columns after skipped_steps), 150 and 170 images/s:
+    # grouped, their mean is 160 images/s, 40 per process; 2 epochs of 120 s each: 240 s.
+    old_columns = plots.METRIC_COLUMNS[:plots.METRIC_COLUMNS.index("skipped_steps") + 1]
+    four = [write_run(root, f"Nov24_1{i}-00-00_node-a_resnet18_cpux4_b4_cpu1_optO0", 4,
+                      epoch_rows(0, START, speed, 20.0) + epoch_rows(1, START + 120, speed, 40.0),
+                      columns=old_columns)
+            for i, speed in enumerate((150, 170))]
+    return {"two": two, "four": four}
+
+
+def test_upstream_acceptance_numbers():
+    """Upstream's published throughput, training time and scaling efficiency
+    follow from its CSV logs with the one definition in common.plots."""
+    runs = plots.load([UPSTREAM]).runs
+    summary = plots.summarize(runs).set_index("gpus")
+    assert sorted(summary.index) == [2, 4, 8, 16, 32, 64] and set(summary["runs"]) == {1}
+    for gpus, images_per_second in UPSTREAM_IMAGES_PER_SECOND.items():
+        assert summary.loc[gpus, "images_per_second"] == pytest.approx(images_per_second, rel=0.01)
+    for gpus, seconds in UPSTREAM_TRAINING_SECONDS.items():  # (last - first) + one mean epoch
+        assert summary.loc[gpus, "training_seconds"] == pytest.approx(seconds, rel=0.01)
+    assert summary.loc[8, "training_seconds"] == pytest.approx(20888.5, abs=1)
+    # Upstream's 4- and 2-GPU figures are exactly last - first: counted in full, the runs took one epoch more.
+    for gpus, seconds in UPSTREAM_LAST_MINUS_FIRST_SECONDS.items():
+        run = next(run for run in runs if run.replicas == gpus)
+        ends = run.epochs["end_time"]
+        span = ends.iloc[-1] - ends.iloc[0]
+        assert span == pytest.approx(seconds, abs=1)
+        assert summary.loc[gpus, "training_seconds"] == pytest.approx(span * len(ends) / (len(ends) - 1))
+    assert summary.loc[2, "epochs"] == "81" and summary.loc[64, "epochs"] == "90"
+    assert summary.loc[2, "images_per_second_per_gpu"] == pytest.approx(791, rel=0.01)
+    assert summary.loc[64, "images_per_second_per_gpu"] == pytest.approx(515, rel=0.01)
+    assert summary.loc[64, "scaling_efficiency_percent"] == pytest.approx(65, abs=1)
+    assert summary.loc[2, "scaling_efficiency_percent"] == pytest.approx(100)
+    assert summary.loc[8, "last_val_top1"] == pytest.approx(76.29, abs=0.01)
+
+
+def test_derived_numbers_of_synthetic_runs(tmp_path):
+    made = make_runs(tmp_path / "runs")
+    logs = plots.load([tmp_path / "runs"])
+    two = next(run for run in logs.runs if run.replicas == 2)
+    assert two.device_kind == "cpu" and list(two.epochs.index) == [0, 1, 2]
+    assert plots.training_seconds(two) == pytest.approx(360.0)  # the 4,640 s gap excluded
+    assert plots.mean_images_per_second(two) == pytest.approx(50.0)  # 999 was overwritten by the later row
+    assert plots.time_to_accuracy(two) == (1, pytest.approx(240.0))  # desired 50%: epoch 1 (55%)
+    assert plots.time_to_accuracy(two, 99.0) is None
+    summary = plots.summarize(logs.runs).set_index("gpus")
+    assert summary.loc[4, "runs"] == 2 and summary.loc[4, "images_per_second"] == pytest.approx(160.0)
+    assert summary.loc[4, "images_per_second_per_gpu"] == pytest.approx(40.0)
+    assert summary.loc[4, "training_seconds"] == pytest.approx(240.0)
+    assert summary.loc[4, "scaling_efficiency_percent"] == pytest.approx(100 * 40 / 25)  # baseline: 25 at 2
+    # io.csv: the two nodes' reads add up; the missing counters stay missing, never 0.
+    (trace,) = logs.io
+    assert list(trace.frame["read_bytes_per_second"]) == [3e6, 3e6, 3e6]
+    assert list(trace.frame["elapsed_seconds"]) == [0.0, 10.0, 20.0]
+    assert trace.frame[["write_bytes_per_second", "read_ops_per_second"]].isna().all().all()
+    assert made["two"].name == two.name
+
+
+def test_tensorboard_event_directory(tmp_path):
+    """A directory of TensorBoard events alone: grouped by gpux<N> in its name;
+    training time = (last - first epoch end) + one mean epoch."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "Nov23_10-00-00_node_resnet50_gpux8_b208_cpu20_optO2"
+    writer = SummaryWriter(str(run_dir))
+    for step, (speed, top1) in enumerate([(1000.0, 10.0), (1100.0, 20.0), (1200.0, 30.0)], start=1):
+        end = START + 100 * step  # epochs end every 100 s: 3 epochs took 300 s
+        writer.add_scalar("Throughput/train", speed, step, walltime=end - 10)
+        writer.add_scalar("Top1/val", top1, step, walltime=end)
+        writer.add_scalar("Data/wait_fraction", 0.25, step, walltime=end - 10)
+    writer.close()
+    (run,) = plots.load([tmp_path]).runs
+    assert (run.replicas, run.device_kind) == (8, "gpu")
+    assert plots.mean_images_per_second(run) == pytest.approx(1100.0)
+    assert plots.training_seconds(run) == pytest.approx(300.0)
+    assert plots.time_to_accuracy(run, 20.0) == (1, pytest.approx(200.0))
+    assert list(run.epochs["data_wait_fraction"]) == [0.25] * 3
+
+
+def test_storage_monitor_pairs():
+    """bandwidth_<key> pairs with iops_<key>; a bandwidth file without a partner stands alone."""
+    traces = {trace.label: trace for trace in plots.load([UPSTREAM / "IO"]).io}
+    assert sorted(traces) == ["storage monitor gpux64_cpu20_aprl30", "storage monitor gpux64_cpu20_feb"]
+    april = traces["storage monitor gpux64_cpu20_aprl30"].frame
+    february = traces["storage monitor gpux64_cpu20_feb"].frame
+    assert april.loc[0, "read_bytes_per_second"] == pytest.approx(746905.6)
+    assert april.loc[0, "read_ops_per_second"] == pytest.approx(0.9166666666666666)
+    assert list(april["elapsed_seconds"][:3]) == [0.0, 60.0, 120.0]  # one row a minute
+    assert february["read_ops_per_second"].isna().all() and len(february) == 76
+
+
+AXIS_UNIT = re.compile(r"\(.+\)|epoch|GPUs|process")  # a unit in brackets, or what is counted
+
+
+def assert_labelled(figure):
+    for ax in figure.axes:
+        for label in (ax.get_xlabel(), ax.get_ylabel()):
+            assert label and AXIS_UNIT.search(label), f"axis label without a unit: {label!r}"
+
+
+def test_figures_written_with_labelled_axes(tmp_path, capsys):
+    """Upstream and this project's CPU runs together: every figure has data,
+    is written as PNG and PDF, and each hardware is its own scaling series."""
+    make_runs(tmp_path / "runs")
+    written = plots.main([str(UPSTREAM), str(tmp_path / "runs"), "--out", str(tmp_path / "figures"),
+                          "--smooth", "0.6"])
+    names = ["top1_train", "top1_val", "top5_train", "top5_val", "training_throughput", "scaling_efficiency",
+             "training_time", "IO", "data_wait"]
+    assert sorted(written) == sorted(tmp_path / "figures" / (name + suffix) for name in names
+                                     for suffix in (".png", ".pdf"))
+    assert all(path.stat().st_size > 1000 for path in written)
+    assert capsys.readouterr().out.count(".png, .pdf") == len(names)
+    figures = plots.make_figures(plots.load([UPSTREAM, tmp_path / "runs"]), smooth=0.6)
+    for figure in figures.values():
+        assert_labelled(figure)
+    throughput = figures["training_throughput"].axes[0]
+    series = [line.get_label() for line in throughput.get_lines() if "ideal" not in line.get_label()]
+    assert series == ["CPU (Test CPU 9000): resnet18 optO0 (mean of 1/2 runs)", "upstream: resnet50 optO2"]
+    assert [tick for tick in throughput.get_xticks()] == [2, 4, 8, 16, 32, 64]
+    assert throughput.get_xlabel() == "GPUs or CPU processes"
+    legend = [text.get_text() for text in figures["top1_val"].axes[0].get_legend().get_texts()]
+    assert "CPU (Test CPU 9000): resnet18 optO0: 4 CPU processes #2" in legend
+    assert "upstream: resnet50 optO2: 64 GPUs" in legend
+    # The 2-GPU upstream run's 81 epochs are annotated on the training-time figure.
+    assert any("81 epochs" in text.get_text() for text in figures["training_time"].axes[0].texts)
+
+
+def test_figures_without_data_are_not_written(tmp_path, capsys):
+    """Upstream logs have no data-wait share; a run whose io.csv has no counters has no IO figure."""
+    rows = epoch_rows(0, START, 40, 30.0) + epoch_rows(1, START + 120, 50, 55.0)
+    write_run(tmp_path / "runs", "Nov23_10-00-00_h_resnet18_cpux1_b4_cpu1_optO0", 1, rows,
+              io_rows=[(START, "h", "", "", "", "", ""), (START + 5, "h", "", "", "", "", "")])
+    figures = plots.make_figures(plots.load([tmp_path / "runs"]))
+    assert figures["IO"] == "no block-device counters in any I/O log"
+    plots.main([str(UPSTREAM / "Top1_val"), "--out", str(tmp_path / "figures")])
+    out = capsys.readouterr().out
+    assert "data_wait: not written (no input has a data-wait share" in out
+    assert "training_throughput: not written" in out
+    # Validation top-1 alone: its wall times still give the training time.
+    assert sorted(path.name for path in (tmp_path / "figures").iterdir()) == [
+        "top1_val.pdf", "top1_val.png", "training_time.pdf", "training_time.png"]
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path):
+    for argv, message in (([str(tmp_path / "missing")], "missing: no such file or directory"),
+                          ([str(tmp_path)], "no run directories, TensorBoard logs or storage-monitor CSVs"),
+                          ([str(UPSTREAM), "--smooth", "1.5"], "argument --smooth")):
+        done = subprocess.run([sys.executable, "-m", "common.plots", *argv, "--out", str(tmp_path / "f")],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_notebook_draws_the_figures(tmp_path):
+    """figures/figures.ipynb, its code cells run in order in a fresh Python
+    (no Jupyter), writes the figures of results/runs to $FIGURES_OUT and
+    those of the upstream logs to $FIGURES_OUT/upstream."""
+    notebook = json.loads((REPO / "figures" / "figures.ipynb").read_text())
+    assert notebook["nbformat"] == 4
+    code = [("".join(cell["source"])) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert not any(line.lstrip().startswith(("%", "!")) for cell in code for line in cell.splitlines())
+    runner = ("import json, sys\nnamespace = {'__name__': '__main__'}\n"
+              "for index, cell in enumerate(json.load(sys.stdin)):\n"
+              "    exec(compile(cell, f'cell {index}', 'exec'), namespace)\n")
+    out = tmp_path / "figures"
+    env = dict(os.environ, MPLBACKEND="Agg", FIGURES_OUT=str(out))
+    done = subprocess.run([sys.executable, "-c", runner], input=json.dumps(code), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # The upstream logs' figures in upstream/; this project's committed runs' figures beside it.
+    for folder, names in ((out / "upstream", ("top1_train", "top1_val", "top5_train", "top5_val",
+                                              "training_throughput", "scaling_efficiency", "training_time", "IO")),
+                          (out, ("top1_val", "training_throughput", "scaling_efficiency", "data_wait"))):
+        for name in names:
+            for suffix in (".png", ".pdf"):
+                assert (folder / (name + suffix)).stat().st_size > 1000, folder / (name + suffix)
+
+
+def test_labels_say_what_is_counted():
+    assert plots.count_label(1, "gpu") == "1 GPU" and plots.count_label(8, "gpu") == "8 GPUs"
+    assert plots.count_label(2, "cpu") == "2 CPU processes" and plots.count_label(1, "cpu") == "1 CPU process"
+    assert plots._arch_and_opt("Feb08_13-47-09_hal11_wide_resnet50_2_gpux8_b208_cpu20_optO2") == "wide_resnet50_2 optO2"
+    assert math.isnan(plots.training_seconds(plots.Run("r", "p", 1, "gpu", "s", "h", plots.pd.DataFrame(
+        {"end_time": [1.0], "train_start": [math.nan]}))))

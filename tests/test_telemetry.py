@@ -1,0 +1,215 @@
+"""Instrumentation: throughput and data-wait measured against a known truth,
+warm-up exclusion, exact dataset bytes over two processes, block-device
+sampling (exact rates from known counters; missing counters stay missing),
+the per-class report against hand-computed values, and TensorBoard tags."""
+import csv
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from common import distributed, engine, precision, schedules, telemetry
+from common.meters import ClassReport
+from conftest import REPO, make_image_folder, run_script
+
+# --- throughput and data wait against a known truth ---
+
+BATCH = 8
+DATA_DELAY_SECONDS = 0.05  # per batch, in the loader
+COMPUTE_SECONDS = 0.10  # per step, in the model's forward
+
+
+class SlowModel(nn.Module):
+    """A linear classifier whose forward takes a known time."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, images):
+        time.sleep(COMPUTE_SECONDS)
+        return self.linear(images)
+
+
+class SlowLoaders:
+    """What Trainer.train_one_epoch reads of common.data.Loaders, with batches
+    that take a known time to arrive."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    @property
+    def train(self):
+        for _ in range(self.steps):
+            time.sleep(DATA_DELAY_SECONDS)
+            yield torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,)), torch.full((BATCH,), 100)
+
+    def train_steps(self, limit: int = 0) -> int:
+        return self.steps
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The known times are the steps' only cost: tiny tensors on one thread
+    (waking a thread pool on a busy machine can cost milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def slow_trainer(warmup_steps: int, print_freq: int = 1000) -> engine.Trainer:
+    ctx = distributed.single_process("cpu")
+    model = SlowModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, schedules.LRSchedule(0.1, 1), precision.FP32(),
+                          ctx, telemetry.RunLog(ctx), print_freq=print_freq, warmup_steps=warmup_steps)
+
+
+def test_reported_throughput_and_data_wait_match_a_known_pipeline():
+    steps, warmup = 16, 2
+    metrics = slow_trainer(warmup).train_one_epoch(SlowLoaders(steps), epoch=0)
+    true_step_seconds = DATA_DELAY_SECONDS + COMPUTE_SECONDS
+    assert metrics.warmup_steps == warmup and metrics.steps == steps and metrics.images == steps * BATCH
+    assert metrics.images_per_second == pytest.approx(BATCH / true_step_seconds, rel=0.05)
+    assert metrics.images_per_second_per_gpu == metrics.images_per_second  # one replica
+    assert metrics.seconds_per_step == pytest.approx(true_step_seconds, rel=0.05)
+    assert metrics.data_wait_fraction == pytest.approx(DATA_DELAY_SECONDS / true_step_seconds, rel=0.05)
+    assert metrics.dataset_bytes == steps * BATCH * 100  # the loader's per-sample file_bytes, summed
+    assert metrics.peak_memory_mib > 0
+
+
+def test_warm_up_steps_are_left_out_of_the_rates_and_said_so(capsys):
+    """A first step 20x slower than the rest (a cold start) does not show in
+    the epoch's rate, and the progress line of that interval says warm-up."""
+
+    class ColdStartLoaders(SlowLoaders):
+        @property
+        def train(self):
+            for index, batch in enumerate(super().train):
+                if index == 0:
+                    time.sleep(20 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS))
+                yield batch
+
+    metrics = slow_trainer(warmup_steps=2, print_freq=2).train_one_epoch(ColdStartLoaders(10), epoch=0)
+    assert metrics.images_per_second == pytest.approx(BATCH / (DATA_DELAY_SECONDS + COMPUTE_SECONDS), rel=0.05)
+    assert metrics.seconds > 28 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS)  # the wall time keeps every step
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train")]
+    assert len(lines) == 5 and lines[0].endswith("(warm-up)")
+    assert not any(line.endswith("(warm-up)") for line in lines[1:])
+
+
+@pytest.mark.parametrize("steps, asked, excluded", [(21, 10, 10), (20, 10, 0), (5, 0, 0), (3, 1, 1)])
+def test_a_split_of_at_most_twice_the_warm_up_is_timed_whole(steps, asked, excluded):
+    assert telemetry.StepTimer(steps, asked, torch.device("cpu")).warmup_steps == excluded
+
+
+# --- the bytes the input pipeline read, exactly, summed over processes ---
+
+def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
+    data = make_image_folder(tmp_path / "data")  # 24 training images (3 steps of 4 per process), 9 val
+    result = run_script([REPO / "imagenet_ddp.py", data, "-a", "resnet18", "--image-size", "32", "--val-resize",
+                         "32", "-b", "4", "-j", "1", "--epochs", "1", "--nproc-per-node", "2", "--io-interval",
+                         "0.5", "--throughput-warmup-steps", "1", "--logdir", tmp_path / "runs"],
+                        env_extra={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        rows = {row["split"]: row for row in csv.DictReader(handle)}
+    for split in ("train", "val"):
+        on_disk = sum(path.stat().st_size for path in (data / split).rglob("*.JPEG"))
+        assert int(rows[split]["dataset_bytes"]) == on_disk
+    train = rows["train"]
+    assert int(train["warmup_steps"]) == 1 and int(train["images"]) == 24
+    assert float(train["images_per_second_per_gpu"]) == pytest.approx(float(train["images_per_second"]) / 2)
+    assert rows["val"]["macro_f1"] and not train["macro_f1"]
+    # TensorBoard has the new figures, per epoch and per print interval.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set(EventAccumulator(str(run_dir)).Reload().Tags()["scalars"])
+    assert {"Throughput/train", "Throughput/train_per_gpu", "Time/train", "Data/wait_fraction", "Memory/peak_mib",
+            "F1/val_macro", "IO/dataset_bytes_train", "Throughput/train_interval",
+            "Data/wait_fraction_train_interval"} <= tags
+    # One I/O sampler on this node; its samples reached io.csv through the primary.
+    with open(run_dir / "io.csv", newline="") as handle:
+        samples = list(csv.DictReader(handle))
+    assert samples and len({row["host"] for row in samples}) == 1
+    assert [list(samples[0])] == [telemetry.IO_COLUMNS]
+
+
+# --- block-device sampling ---
+
+def diskstats_line(name, major, minor, reads, sectors_read, writes, sectors_written):
+    fields = [major, minor, name, reads, 0, sectors_read, 0, writes, 0, sectors_written, 0, 0, 0, 0]
+    return " ".join(map(str, fields)) + "\n"
+
+
+def test_io_sampler_rates_are_exact_for_known_counters(tmp_path):
+    st_dev = tmp_path.stat().st_dev  # the fake device below is the one holding the "dataset"
+    major, minor = os.major(st_dev), os.minor(st_dev)
+    diskstats = tmp_path / "diskstats"
+    diskstats.write_text(diskstats_line("loop0", 7, 0, 5, 5, 5, 5) + diskstats_line("sdz", major, minor, 100, 800, 10, 16))
+    clock = iter([1000.0, 1010.0])
+    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats),
+                                  clock=lambda: next(clock))
+    assert sampler.device == "sdz"
+    # 10 s later: 50 more reads of 2048 sectors (1 MiB each), 5 more writes of 8 sectors (4 KiB each).
+    diskstats.write_text(diskstats_line("sdz", major, minor, 150, 800 + 50 * 2048, 15, 16 + 5 * 8))
+    sampler.sample()
+    (row,) = sampler.take_rows()
+    assert row["device"] == "sdz" and row["wall_time"] == 1010.0
+    assert row["read_bytes_per_second"] == 50 * 2048 * 512 / 10
+    assert row["write_bytes_per_second"] == 5 * 8 * 512 / 10
+    assert (row["read_ops_per_second"], row["write_ops_per_second"]) == (5.0, 0.5)
+    assert sampler.take_rows() == []  # taken rows are not sent twice
+
+
+def test_io_sampler_reports_missing_counters_as_missing_not_zero(tmp_path):
+    diskstats = tmp_path / "diskstats"
+    diskstats.write_text(diskstats_line("loop0", 7, 0, 5, 5, 5, 5))  # not the data's device
+    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats))
+    sampler.sample()
+    (row,) = sampler.take_rows()
+    assert sampler.device is None and row["device"].startswith("none: ") and "file system" in row["device"]
+    assert not any(key.endswith("_per_second") for key in row)  # written as empty cells in io.csv
+
+
+def test_the_io_sampler_stops_promptly(tmp_path):
+    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=3600).start()
+    begun = time.perf_counter()
+    sampler.stop()
+    assert time.perf_counter() - begun < 2
+
+
+# --- the per-class report ---
+
+def test_class_report_matches_hand_computed_values():
+    # Rows: true class, columns: predicted. Class 2 has no images; class 1 is never predicted right.
+    confusion = np.array([[3, 1, 0],
+                          [2, 0, 2],
+                          [0, 0, 0]])
+    report = ClassReport(confusion)
+    # precision = hits / predicted: class 0: 3/5; class 1: 0/1; class 2: 0/2.
+    assert report.precision == pytest.approx([60.0, 0.0, 0.0])
+    # recall = hits / support: 3/4, 0/4, and 0 for the class without images.
+    assert report.recall == pytest.approx([75.0, 0.0, 0.0])
+    assert report.f1 == pytest.approx([2 * 0.6 * 0.75 / (0.6 + 0.75) * 100, 0.0, 0.0])
+    assert list(report.support) == [4, 4, 0]
+    assert report.macro_f1 == pytest.approx((2 * 0.6 * 0.75 / 1.35 * 100 + 0) / 2)  # the 2 classes with images
+    assert report.micro == pytest.approx(100 * 3 / 8)
+
+
+def test_class_report_file_lists_every_class_then_the_averages(tmp_path):
+    report = ClassReport(np.array([[2, 0], [1, 1]]))
+    telemetry.write_class_report(report, ["cat", "dog"], 4, tmp_path / "r.csv", tmp_path / "c.npy")
+    with open(tmp_path / "r.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["class"] for row in rows] == ["cat", "dog", "macro avg (2 classes with images)", "micro avg"]
+    assert [float(row["precision_percent"]) for row in rows[:2]] == pytest.approx([66.6667, 100.0])
+    assert rows[-1]["f1_percent"] == "75.0000" and rows[-1]["support"] == "4" and rows[0]["epoch"] == "4"
+    assert (np.load(tmp_path / "c.npy") == [[2, 0], [1, 1]]).all()
+    assert not list(Path(tmp_path).glob(".*.tmp"))  # written whole, then renamed into place
