@@ -28,7 +28,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Callable, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,14 @@ class Context:
     def device_kind(self) -> str:
         """'gpu' or 'cpu': the word used in run names (gpux8, cpux2)."""
         return "gpu" if self.device.type == "cuda" else "cpu"
+
+    @property
+    def devices(self) -> List[torch.device]:
+        """Every device this process computes on: its GPU, the GPUs it drives
+        under nn.DataParallel (cuda:0 first, as DataParallel numbers them), or the CPU."""
+        if self.device.type != "cuda" or self.replicas_per_process == 1:
+            return [self.device]
+        return [torch.device("cuda", index) for index in range(self.replicas_per_process)]
 
     def device_name(self) -> str:
         if self.device.type != "cuda":

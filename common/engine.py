@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import time
 from typing import Optional, Tuple
@@ -73,7 +74,7 @@ class Trainer:
         steps = loaders.train_steps(self.steps_per_epoch)
         sums = MetricSums(self.ctx.device)
         progress = self.log.progress_meter("train", epoch, steps)
-        timer = StepTimer(steps, self.warmup_steps, self.ctx.device)
+        timer = StepTimer(steps, self.warmup_steps, self.ctx.devices)
         lr = None
         for step, (images, target, file_bytes) in enumerate(itertools.islice(loaders.train, steps)):
             timer.batch_ready()
@@ -110,7 +111,9 @@ class Trainer:
         steps = len(loader)
         sums = MetricSums(self.ctx.device, loaders.num_classes)
         progress = self.log.progress_meter("val", epoch, steps)
-        timer = StepTimer(steps, self.warmup_steps, self.ctx.device)
+        # The primary's shard is the largest (ShardSampler): its step count decides everyone's warm-up.
+        primary_steps = math.ceil(math.ceil(len(loader.dataset) / self.ctx.world_size) / loader.batch_size)
+        timer = StepTimer(primary_steps, self.warmup_steps, self.ctx.devices)
         for step, (images, target, file_bytes) in enumerate(loader):
             timer.batch_ready()
             images, target = self._to_device(images, target)
@@ -122,7 +125,7 @@ class Trainer:
                 progress.show(step, sums.totals(), timer, None)
             timer.step_done()
         totals = sums.totals(self.ctx)
-        report = ClassReport(sums.confusion_matrix(self.ctx))
+        report = sums.class_report(self.ctx)
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1)
         return metrics, report

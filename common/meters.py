@@ -22,9 +22,16 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int] =
     always among all classes), so top-5 is defined on a 3-class problem too.
     Returns a float64 tensor of len(ks) counts on the logits' device.
     """
-    num_classes = logits.size(1)
-    max_k = min(max(ks), num_classes)
-    top = logits.topk(max_k, dim=1, largest=True, sorted=True).indices  # (batch, max_k)
+    return _hits(_top_classes(logits, max(ks)), target, ks, logits.size(1))
+
+
+def _top_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(batch, min(k, classes)) class indices, best first: one ranking serves
+    top-k and the per-class report, so they agree on ties."""
+    return logits.topk(min(k, logits.size(1)), dim=1, largest=True, sorted=True).indices
+
+
+def _hits(top: torch.Tensor, target: torch.Tensor, ks: Sequence[int], num_classes: int) -> torch.Tensor:
     hits = top.eq(target.view(-1, 1))  # at most one True per row
     cumulative = hits.cumsum(dim=1).sum(dim=0, dtype=torch.float64)  # hits within the first j+1 guesses
     return torch.stack([cumulative[min(k, num_classes) - 1] for k in ks])
@@ -33,19 +40,27 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int] =
 class MetricSums:
     """Running sums of one split: loss, top-1 and top-5 hits and sample count
     on the device; on the host, the images timed for throughput (those after
-    the warm-up steps) and the bytes read from image files; optionally the
-    confusion matrix, also on the device."""
+    the warm-up steps) and the bytes read from image files; optionally, for
+    the per-class report, per-class counts and the confusion matrix, also on
+    the device (updated with scatter_add, which needs no host sync)."""
 
     # Positions in the sums vector.
     LOSS, TOP1, TOP5, COUNT = range(4)
+    # Rows of the per-class counts.
+    TRUE_POSITIVES, PREDICTED, SUPPORT = range(3)
+    # Above this many classes the confusion matrix (classes^2 counts: 32 MiB at 2048, 3.8 GB for
+    # ImageNet-21k) is not kept; the per-class report needs only the per-class counts.
+    CONFUSION_MAX_CLASSES = 2048
 
     def __init__(self, device: torch.device, num_classes: int = 0):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.timed_count = 0
         self.file_bytes = 0
         self.num_classes = num_classes
-        # Flattened [true class, predicted class] counts; num_classes 0: none kept.
-        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device) if num_classes else None
+        self.class_counts = torch.zeros(3, num_classes, dtype=torch.int64, device=device) if num_classes else None
+        keep_matrix = 0 < num_classes <= self.CONFUSION_MAX_CLASSES
+        # Flattened [true class, predicted class] counts.
+        self.confusion = torch.zeros(num_classes ** 2, dtype=torch.int64, device=device) if keep_matrix else None
 
     def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, *, file_bytes: int = 0,
             timed: bool = True) -> None:
@@ -53,14 +68,20 @@ class MetricSums:
         `timed`: the batch counts for throughput (it is past the warm-up)."""
         count = target.size(0)
         logits = logits.detach()
+        top = _top_classes(logits, 5)
         self.sums[self.LOSS] += loss_mean.detach().double() * count
-        self.sums[self.TOP1:self.COUNT] += topk_correct(logits, target, (1, 5))
+        self.sums[self.TOP1:self.COUNT] += _hits(top, target, (1, 5), logits.size(1))
         self.sums[self.COUNT] += count
         self.timed_count += count if timed else 0
         self.file_bytes += file_bytes
-        if self.confusion is not None:
-            predicted = logits.argmax(dim=1)
-            self.confusion += torch.bincount(target * self.num_classes + predicted, minlength=self.confusion.numel())
+        if self.class_counts is not None:
+            predicted = top[:, 0]
+            ones = torch.ones_like(target)
+            self.class_counts[self.TRUE_POSITIVES].scatter_add_(0, target, predicted.eq(target).long())
+            self.class_counts[self.PREDICTED].scatter_add_(0, predicted, ones)
+            self.class_counts[self.SUPPORT].scatter_add_(0, target, ones)
+            if self.confusion is not None:
+                self.confusion.scatter_add_(0, target * self.num_classes + predicted, ones)
 
     def totals(self, ctx: Optional[Context] = None) -> "MetricTotals":
         """The sums as Python numbers; with `ctx`, summed over all processes
@@ -73,11 +94,15 @@ class MetricSums:
         return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count),
                             timed_count=int(timed_count), file_bytes=int(file_bytes))
 
-    def confusion_matrix(self, ctx: Context) -> np.ndarray:
-        """The [true class, predicted class] counts summed over all processes
-        (a collective), as a num_classes x num_classes int64 array."""
-        confusion = all_reduce_sum(self.confusion.clone(), ctx)
-        return confusion.cpu().numpy().reshape(self.num_classes, self.num_classes)
+    def class_report(self, ctx: Context) -> "ClassReport":
+        """The per-class report over all processes (a collective; needs num_classes)."""
+        counts = all_reduce_sum(self.class_counts.clone(), ctx).cpu().numpy()
+        confusion = None
+        if self.confusion is not None:
+            confusion = all_reduce_sum(self.confusion.clone(), ctx).cpu().numpy()
+            confusion = confusion.reshape(self.num_classes, self.num_classes)
+        return ClassReport(true_positives=counts[self.TRUE_POSITIVES], predicted=counts[self.PREDICTED],
+                           support=counts[self.SUPPORT], confusion=confusion)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,28 +131,34 @@ class MetricTotals:
 
 @dataclasses.dataclass(frozen=True)
 class ClassReport:
-    """Per-class precision, recall, F1 and support from a confusion matrix
-    (rows: true class, columns: predicted class), in percent. A class never
-    predicted has precision 0; macro averages are over the classes that have
-    validation images; micro averages pool every image, so for single-label
-    classification micro precision = recall = F1 = top-1."""
+    """Per-class precision, recall, F1 and support, in percent, from per-class
+    counts (and the confusion matrix, rows: true class, columns: predicted
+    class, when there are few enough classes to keep it). The predicted class
+    is top-1's guess. A class never predicted has precision 0; macro averages are over the classes that have validation
+    images; micro averages pool every image, so for one label per image micro
+    precision = recall = F1 = top-1."""
 
-    confusion: np.ndarray
+    true_positives: np.ndarray
+    predicted: np.ndarray
+    support: np.ndarray
+    confusion: Optional[np.ndarray] = None
 
-    @property
-    def support(self) -> np.ndarray:
-        return self.confusion.sum(axis=1)
+    @staticmethod
+    def from_confusion(confusion: np.ndarray) -> "ClassReport":
+        return ClassReport(true_positives=np.diag(confusion), predicted=confusion.sum(axis=0),
+                           support=confusion.sum(axis=1), confusion=confusion)
 
-    def _ratio(self, numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
         return np.divide(100.0 * numerator, denominator, out=np.zeros(len(numerator)), where=denominator > 0)
 
     @property
     def precision(self) -> np.ndarray:
-        return self._ratio(np.diag(self.confusion), self.confusion.sum(axis=0))
+        return self._ratio(self.true_positives, self.predicted)
 
     @property
     def recall(self) -> np.ndarray:
-        return self._ratio(np.diag(self.confusion), self.support)
+        return self._ratio(self.true_positives, self.support)
 
     @property
     def f1(self) -> np.ndarray:
@@ -144,19 +175,19 @@ class ClassReport:
 
     @property
     def micro(self) -> float:
-        total = self.confusion.sum()
-        return 100.0 * float(np.trace(self.confusion)) / total if total else float("nan")
+        total = self.support.sum()
+        return 100.0 * float(self.true_positives.sum()) / total if total else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitTiming:
-    """Where one split's wall time went, on this process (see telemetry.StepTimer)."""
+    """Where one split's wall time went (see telemetry.StepTimer)."""
 
     steps: int
     warmup_steps: int  # the first steps, left out of the rates below
     seconds: float  # wall time of the whole split
     timed_seconds: float  # wall time of the steps after the warm-up
-    data_wait_seconds: float  # of timed_seconds, waiting for the next batch
+    data_wait_fraction: float  # share of the timed wall time spent waiting for the next batch, all processes
     peak_memory_mib: Optional[float] = None
 
 
@@ -175,7 +206,7 @@ class EpochMetrics:
     seconds: float  # wall time of the split, every step
     images_per_second: float  # global, after the warm-up steps
     seconds_per_step: float  # after the warm-up steps
-    data_wait_fraction: float  # share of the wall time after warm-up spent waiting for the next batch
+    data_wait_fraction: float  # share of the wall time after warm-up spent waiting for the next batch, all processes
     lr: Optional[float]  # learning rate of the epoch's last step (train only)
     wall_time: float  # UNIX seconds at the end of the split
     loss_scale: Optional[float] = None  # fp16 loss scale at the end of the split (mixed precision only)
@@ -197,8 +228,7 @@ class EpochMetrics:
             images=totals.count, steps=timing.steps, seconds=timing.seconds,
             images_per_second=images_per_second,
             seconds_per_step=timing.timed_seconds / timed_steps if timed_steps else float("nan"),
-            data_wait_fraction=(timing.data_wait_seconds / timing.timed_seconds if timing.timed_seconds > 0
-                                else float("nan")),
+            data_wait_fraction=timing.data_wait_fraction,
             lr=lr, wall_time=wall_time,
             loss_scale=(precision_status or {}).get("loss_scale"),
             skipped_steps=(precision_status or {}).get("skipped_steps"),

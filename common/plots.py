@@ -181,7 +181,8 @@ def _describe(name: str, source: str, what: str, config: Optional[dict]) -> Tupl
     replicas = int(environment.get("replicas") or count or 1)
     if not environment:
         return replicas, kind, f"{source}: {_arch_and_opt(name)}", f"{what}, hardware not recorded in them"
-    device = environment.get("device") or kind
+    # imagenet_dp.py names its devices "4 x <GPU>": the count is the run's, the hardware is the GPU.
+    device = re.sub(r"^\d+ x ", "", environment.get("device") or kind)
     kind = "cpu" if device == "cpu" else "gpu"
     where = f"CPU ({environment.get('cpu_model') or 'model unknown'})" if kind == "cpu" else device
     series = f"{where}: {options.get('arch', '?')} opt{options.get('opt_level', 'O0')}"
@@ -212,6 +213,9 @@ def read_run_dir(path: Path) -> Optional[Run]:
         "train_start": train["wall_time"] - train["seconds"], "end_time": val["wall_time"],
     }).sort_index().astype(float)
     epochs.index = epochs.index.astype(int)
+    # A run still in an epoch's validation has that epoch's train row only: its epochs end at the last validated.
+    validated = epochs.index[epochs["end_time"].notna()]
+    epochs = epochs.loc[:validated.max()] if len(validated) else epochs.iloc[:0]
     replicas, kind, series, hardware = _describe(path.name, path.parent.name, "run directory", config)
     resumes = []
     if (path / "resumes.jsonl").is_file():
@@ -268,7 +272,10 @@ def read_io_csv(path: Path, label: str) -> Optional[IOTrace]:
     interval, averaged per node and device, and summed over them. An empty
     value is a missing counter: it stays NaN (min_count=1), never 0. None
     when the sampler has not written a row yet."""
-    rows = pd.read_csv(path)
+    try:
+        rows = pd.read_csv(path)
+    except pd.errors.EmptyDataError:  # created, nothing written yet
+        return None
     if rows.empty:
         return None
     rows[["host", "device"]] = rows.reindex(columns=["host", "device"]).astype("string").fillna("")
@@ -322,10 +329,8 @@ def load(paths: Sequence[Union[str, Path]]) -> Logs:
             if not root.is_file() and ("metrics.csv" in files or "config.json" in files):
                 subfolders[:] = []
                 run = read_run_dir(folder)
-                if run is None and any(name.startswith("events.out.tfevents.") for name in files):
-                    run = read_event_dir(folder)
-                if run is None:
-                    print(f"note: {folder}: no metrics.csv yet, skipped", file=sys.stderr)
+                if run is None or run.epochs.empty:  # still in its first epoch: nothing to show yet
+                    print(f"note: {folder}: no epoch finished yet, skipped", file=sys.stderr)
                     continue
                 runs.append(run)
                 trace = read_io_csv(folder / "io.csv", f"block devices, run {run.name}") if "io.csv" in files else None
@@ -405,8 +410,8 @@ def accuracy_figure(runs: Sequence[Run], column: str, ylabel: str, smooth: float
         if smooth > 0:
             raw = ax.plot(values.index, values, alpha=0.25, linewidth=0.8)[0]
             ax.plot(values.index, values.ewm(alpha=1 - smooth).mean(), color=raw.get_color(), label=label)
-        else:
-            ax.plot(values.index, values, label=label)
+        else:  # markers: a run of one epoch is a point, which a line alone would not show
+            ax.plot(values.index, values, "o-", markersize=3, label=label)
     ax.set(xlabel="epoch", ylabel=ylabel, title=f"{ylabel[0].upper()}{ylabel[1:]}, {len(shown)} run(s)"
            + (f", EMA smoothing {smooth:g}" if smooth > 0 else ""))
     return _finish(fig, ax, [run for run, _ in shown])

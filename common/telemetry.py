@@ -10,8 +10,8 @@ A run directory holds everything about one run:
   io.csv              block-device read/write rates sampled on each node (IOSampler)
   val_report.csv      per-class precision, recall, F1, support of the last epoch; val_report_best.csv
                       of the best; confusion_matrix.npy, confusion_matrix_best.npy: their counts
-  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based), or
-                      steps completed for the per-interval `*_interval` tags
+  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based)
+  steps/events.out.tfevents.*  the per-print-interval training curves (`*_interval`); x-axis: steps
   checkpoint.pth.tar, model_best.pth.tar
 
 Timing costs no device synchronisation per step: the host reads the clock
@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import resource
@@ -48,7 +49,7 @@ import torchvision
 
 from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
 from common.cli import Config, UsageError
-from common.distributed import Context, all_reduce_max, broadcast_from_primary, gather_to_primary
+from common.distributed import Context, all_reduce_max, all_reduce_sum, broadcast_from_primary, gather_to_primary
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
@@ -77,12 +78,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """On a GPU, the peak memory held by tensors since the last reset (the
-    split's start: see StepTimer); on the CPU, the peak resident memory of
-    this process since it started (data-loading workers not included)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / MIB
+def peak_memory_mib(devices: List[torch.device]) -> float:
+    """On GPUs, the peak memory held by tensors since the last reset (the
+    split's start: see StepTimer), the most on any of `devices`; on the CPU,
+    the peak resident memory of this process since it started (data-loading
+    workers not included)."""
+    if devices[0].type == "cuda":
+        return max(torch.cuda.max_memory_allocated(device) for device in devices) / MIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
@@ -94,11 +96,15 @@ class StepTimer:
     many steps, when every step counts. Call batch_ready() when a batch
     arrives and step_done() when its step is queued."""
 
-    def __init__(self, steps: int, warmup_steps: int, device: torch.device):
+    def __init__(self, steps: int, warmup_steps: int, devices: List[torch.device]):
+        # `steps`: the primary's count, the same on every process (validation shards can differ by a
+        # batch), so all of them leave out the same warm-up and their timed images add up.
         self.warmup_steps = warmup_steps if steps > 2 * warmup_steps else 0
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        self.device = devices[0]
+        self.devices = devices
+        if self.device.type == "cuda":
+            for device in devices:
+                torch.cuda.reset_peak_memory_stats(device)
         self.completed = 0
         self.data_wait_seconds = 0.0  # after the warm-up
         self.all_data_wait_seconds = 0.0  # every step, for the print intervals
@@ -125,11 +131,17 @@ class StepTimer:
     def finish(self, ctx: Context) -> SplitTiming:
         """The split's timing; call after the epoch's metrics are reduced (which
         waits for the device and the slowest process). A collective: the peak
-        memory is the maximum over processes."""
+        memory is the maximum over processes, the data-wait share is over all
+        of them (their waits summed over their timed wall times)."""
         now = time.perf_counter()
-        peak = all_reduce_max(torch.tensor([peak_memory_mib(self.device)], device=ctx.device), ctx).item()
+        timed_seconds = now - self.timed_start
+        peak = all_reduce_max(torch.tensor([peak_memory_mib(self.devices)], device=ctx.device), ctx).item()
+        # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
+        waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
+        wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
         return SplitTiming(steps=self.completed, warmup_steps=self.warmup_steps, seconds=now - self.start,
-                           timed_seconds=now - self.timed_start, data_wait_seconds=self.data_wait_seconds,
+                           timed_seconds=timed_seconds,
+                           data_wait_fraction=wait_seconds / all_timed_seconds if all_timed_seconds > 0 else math.nan,
                            peak_memory_mib=peak)
 
 
@@ -182,7 +194,10 @@ def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Opti
         devices = read_diskstats(diskstats)
     except OSError as error:
         return None, f"no block-device counters on this system ({diskstats}: {error.strerror})"
-    st_dev = os.stat(path).st_dev
+    try:
+        st_dev = os.stat(path).st_dev
+    except OSError as error:  # say, a log directory that exists only on the primary's node
+        return None, f"cannot see {path} on this node ({error.strerror})"
     for name, counters in devices.items():
         if (counters.major, counters.minor) == (os.major(st_dev), os.minor(st_dev)):
             return name, ""
@@ -193,7 +208,7 @@ class IOSampler:
     """Samples the read and write rates of the block device holding the
     dataset every `interval_seconds`, in a background thread (run on one
     process per node). Where there are no counters, each sample says so
-    with empty values: missing, not zero."""
+    with empty values: missing, not zero. Nothing here raises."""
 
     def __init__(self, dataset_path: str, interval_seconds: float, diskstats: str = "/proc/diskstats",
                  clock=time.time):
@@ -208,7 +223,13 @@ class IOSampler:
         self._last = self._read()
 
     def _read(self) -> Tuple[float, Optional[DiskCounters]]:
-        counters = read_diskstats(self.diskstats).get(self.device) if self.device else None
+        """Now and the device's counters (None where there are none). Never
+        raises: the sampler must not stop training, nor leave other
+        processes waiting in a collective for this one."""
+        try:
+            counters = read_diskstats(self.diskstats).get(self.device) if self.device else None
+        except (OSError, ValueError):
+            counters = None
         return self.clock(), counters
 
     def sample(self) -> None:
@@ -263,6 +284,8 @@ def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_
                          f"{report.macro(report.recall):.4f}", f"{report.macro_f1:.4f}", int(report.support.sum())])
         writer.writerow([epoch, "micro avg", *(f"{report.micro:.4f}",) * 3, int(report.support.sum())])
     os.replace(temporary, csv_path)
+    if report.confusion is None:  # too many classes to keep the matrix (MetricSums.CONFUSION_MAX_CLASSES)
+        return
     temporary = npy_path.with_name(f".{npy_path.name}.tmp")
     with open(temporary, "wb") as handle:
         np.save(handle, report.confusion)
@@ -362,6 +385,30 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def _append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
+    """Append rows to a CSV file, with the header when the file is new; a
+    missing value is an empty cell. A file written with other columns (an
+    older version's metrics.csv, being resumed) is first rewritten with these,
+    its rows kept, so every row matches the header."""
+    new_file = not path.is_file()
+    if not new_file:
+        with open(path, newline="") as handle:
+            reader = csv.DictReader(handle)
+            old_rows = list(reader) if reader.fieldnames != columns else None
+        if old_rows is not None:
+            temporary = path.with_name(f".{path.name}.tmp")
+            with open(temporary, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(old_rows)
+            os.replace(temporary, path)
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
 def _format_bytes(count: Optional[int]) -> str:
     if not count:
         return "0 B"
@@ -380,8 +427,10 @@ class ProgressMeter:
     spent waiting for the next batch. An interval that holds warm-up steps
     says so."""
 
-    def __init__(self, split: str, epoch: int, steps: int, world_size: int, replicas: int, writer=None):
+    def __init__(self, split: str, epoch: int, steps: int, world_size: int, replicas: int, per_replica: str,
+                 writer=None):
         self.split, self.epoch, self.steps, self.world_size, self.replicas = split, epoch, steps, world_size, replicas
+        self.per_replica = per_replica  # "per GPU", or "per process" on the CPU
         self.writer = writer
         self.width = len(str(steps))
         self.last_time = time.perf_counter()
@@ -401,9 +450,9 @@ class ProgressMeter:
         self.last_data_wait_seconds = timer.all_data_wait_seconds
         line = (f"{self.split:5s} epoch {self.epoch} [{step + 1:{self.width}d}/{self.steps}]  "
                 f"loss {running.loss:.4f}  top1 {running.top1:6.2f}%  top5 {running.top5:6.2f}%  "
-                f"{images_per_second:8.1f} img/s ({images_per_second / self.replicas:.1f}/gpu)  "
+                f"{images_per_second:8.1f} img/s ({images_per_second / self.replicas:.1f} {self.per_replica})  "
                 f"{seconds_per_step:.3f} s/step  data wait {100 * data_wait_share:3.0f}%  "
-                f"mem {peak_memory_mib(timer.device):.0f} MiB")
+                f"mem {peak_memory_mib(timer.devices):.0f} MiB")
         if lr is not None:
             line += f"  lr {lr:.5f}"
         if precision_status:
@@ -429,9 +478,11 @@ class RunLog:
         self.ctx = ctx
         self.is_primary = ctx.is_primary
         self.run_dir: Optional[Path] = None
-        self._writer = None  # TensorBoard SummaryWriter, opened by start_run
+        self._writer = None  # TensorBoard SummaryWriter, opened by start_run: x-axis epochs
+        self._step_writer = None  # and one in steps/ for the per-interval curves: x-axis steps
         self._skips_explained = False
         self._io_sampler: Optional[IOSampler] = None  # on local rank 0 of each node, from start_run
+        self._per_replica = "per GPU" if ctx.device_kind == "gpu" else "per process"
 
     def info(self, message: str) -> None:
         if self.is_primary:
@@ -451,7 +502,8 @@ class RunLog:
     def progress_meter(self, split: str, epoch: int, steps: int):
         if not self.is_primary:
             return _SilentProgress()
-        return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._writer)
+        return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._per_replica,
+                             self._step_writer if split == "train" else None)
 
     def start_run(self, cfg: Config, start_epoch: int, resolved: dict) -> Optional[Path]:
         """Create (or, on --resume, reopen) the run directory and record the
@@ -489,8 +541,12 @@ class RunLog:
                 handle.write("\n")
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
 
-        # purge_step hides events of epochs that are now being redone; TensorBoard steps are 1-based epochs.
+        # purge_step hides events of epochs that are now being redone; TensorBoard steps are 1-based epochs
+        # here, and steps completed in steps/ (its own event file, as purging is per file).
         self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_epoch + 1 if resuming else None)
+        steps_per_epoch = resolved.get("steps_per_epoch", 0)
+        self._step_writer = SummaryWriter(log_dir=str(run_dir / "steps"),
+                                          purge_step=start_epoch * steps_per_epoch + 1 if resuming else None)
         return run_dir
 
     def _start_io_sampler(self, cfg: Config) -> None:
@@ -498,7 +554,9 @@ class RunLog:
         device, or for --synthetic runs the log directory's."""
         if cfg.io_interval <= 0 or self.ctx.local_rank != 0:
             return
-        self._io_sampler = IOSampler(cfg.logdir if cfg.synthetic else cfg.data, cfg.io_interval).start()
+        # The device of train/ (where almost all reads go; it may be a link to another disk than DATA's).
+        path = cfg.logdir if cfg.synthetic else os.path.join(cfg.data, "train")
+        self._io_sampler = IOSampler(path, cfg.io_interval).start()
         if self._io_sampler.device is None:
             print(f"note: I/O sampling on {self._io_sampler.host}: {self._io_sampler.missing_reason}; io.csv "
                   f"marks its samples missing (the bytes the input pipeline read are in metrics.csv, "
@@ -510,18 +568,7 @@ class RunLog:
         gathered = [row for rank_rows in gather_to_primary(rows, self.ctx) for row in rank_rows]
         if not self.is_primary or self.run_dir is None or not gathered:
             return
-        path = self.run_dir / "io.csv"
-        new_file = not path.is_file()
-        with open(path, "a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=IO_COLUMNS)
-            if new_file:
-                writer.writeheader()
-            writer.writerows(gathered)
-        for row in gathered:  # TensorBoard step: UNIX seconds, which keep increasing across resumes
-            if "read_bytes_per_second" in row:
-                for field in IO_COLUMNS[3:]:
-                    self._writer.add_scalar(f"IO/{row['host']}/{field}", row[field],
-                                            global_step=int(row["wall_time"]), walltime=row["wall_time"])
+        _append_rows(self.run_dir / "io.csv", IO_COLUMNS, gathered)
 
     def _set_aside_later_epochs(self, start_epoch: int) -> None:
         """Resuming from an earlier epoch than the run directory reached (say,
@@ -538,7 +585,8 @@ class RunLog:
             return
         backup = self.run_dir / f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         backup.mkdir()
-        for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME):
+        for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
+                     "confusion_matrix.npy", "confusion_matrix_best.npy"):
             if (self.run_dir / name).is_file():
                 _preserve(self.run_dir / name, backup / name)
         # A new file renamed over metrics.csv: later appends must not reach the preserved copy.
@@ -555,13 +603,7 @@ class RunLog:
         """Append one row to metrics.csv and the split's TensorBoard scalars."""
         if not self.is_primary or self.run_dir is None:
             return
-        path = self.run_dir / "metrics.csv"
-        new_file = not path.is_file()
-        with open(path, "a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
-            if new_file:
-                writer.writeheader()
-            writer.writerow(dataclasses.asdict(metrics))
+        _append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
         for tag, field in _SCALARS[metrics.split].items():
             value = getattr(metrics, field)
             if value is not None:
@@ -585,8 +627,8 @@ class RunLog:
         warmup = f" after {train.warmup_steps} warm-up steps" if train.warmup_steps else ""
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
-                  f"({train.images_per_second_per_gpu:.1f}/gpu), {train.seconds_per_step:.3f} s/step, data wait "
-                  f"{100 * train.data_wait_fraction:.0f}%{warmup}; read {_format_bytes(train.dataset_bytes)}, "
+                  f"({train.images_per_second_per_gpu:.1f} {self._per_replica}), {train.seconds_per_step:.3f} s/step, "
+                  f"data wait {100 * train.data_wait_fraction:.0f}%{warmup}; read {_format_bytes(train.dataset_bytes)}, "
                   f"peak mem {train.peak_memory_mib:.0f} MiB, lr {train.lr:.5f}"
                   + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
                      if train.loss_scale is not None else ""))
@@ -612,8 +654,9 @@ class RunLog:
         if self._io_sampler is not None:
             self._io_sampler.stop()
         self._write_io_samples()
-        if self._writer is not None:
-            self._writer.close()
+        for writer in (self._writer, self._step_writer):
+            if writer is not None:
+                writer.close()
         if not self.is_primary or self.run_dir is None:
             return
         self.info(f"finished {result.epochs_run} epochs in {_format_duration(result.seconds)} "

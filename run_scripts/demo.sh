@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: write scikit-learn's handwritten digits as an ImageNet-style JPEG tree, then
 # train ResNet-18 on it with imagenet_nd.py on whatever device there is (a GPU, else the CPU).
-# About 2.5 minutes on 2 CPU cores; ends near 98% validation top-1 (at least 95%).
+# 1 to 2.5 minutes on 2 CPU cores, depending on the machine; ends near 98% validation top-1 (at least 95%).
 #
 #   PYTHON=.venv/bin/python bash run_scripts/demo.sh [extra flags for the script]
 # Environment: PYTHON (interpreter), DATA (dataset folder, default data/digits), LOGDIR (default runs),

@@ -64,10 +64,10 @@ def test_totals_with_world_of_one_is_the_local_sum():
 
 def test_epoch_metrics_rates_leave_out_the_warm_up():
     # 4 steps of 2 images on each of 2 processes (16 images); the first step is warm-up, so the rates
-    # cover 3 steps (12 images) in 0.5 s of a 0.75 s split, 0.125 s of which went waiting for data.
+    # cover 3 steps (12 images) in 0.5 s of a 0.75 s split, a quarter of which went waiting for data.
     totals = MetricTotals(loss_sum=40.0, top1_correct=12, top5_correct=16, count=16, timed_count=12,
                           file_bytes=123_456)
-    timing = SplitTiming(steps=4, warmup_steps=1, seconds=0.75, timed_seconds=0.5, data_wait_seconds=0.125,
+    timing = SplitTiming(steps=4, warmup_steps=1, seconds=0.75, timed_seconds=0.5, data_wait_fraction=0.25,
                          peak_memory_mib=42.0)
     metrics = EpochMetrics.from_totals(2, "train", totals, timing, replicas=2, lr=0.1, wall_time=1.0)
     assert (metrics.loss, metrics.top1, metrics.top5) == (2.5, 75.0, 100.0)
@@ -100,7 +100,7 @@ def _sum_over_two_processes(rank, port, out_dir):
         sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]), file_bytes=24,
                  timed=False)
     totals = sums.totals(ctx)
-    confusion = sums.confusion_matrix(ctx)
+    confusion = sums.class_report(ctx).confusion
     (out_dir / f"rank{rank}.txt").write_text(repr((dataclasses.astuple(totals), confusion.tolist())))
     dist.destroy_process_group()
 

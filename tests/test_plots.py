@@ -265,3 +265,21 @@ def test_labels_say_what_is_counted():
     assert plots._arch_and_opt("Feb08_13-47-09_hal11_wide_resnet50_2_gpux8_b208_cpu20_optO2") == "wide_resnet50_2 optO2"
     assert math.isnan(plots.training_seconds(plots.Run("r", "p", 1, "gpu", "s", "h", plots.pd.DataFrame(
         {"end_time": [1.0], "train_start": [math.nan]}))))
+
+
+def test_runs_in_progress_and_data_parallel_runs(tmp_path):
+    """A run still validating its last epoch counts only its validated epochs; one not past its first
+    epoch and an io.csv not yet written are skipped; imagenet_dp.py's "4 x <GPU>" is that GPU's series."""
+    validating = epoch_rows(0, START, 100.0, 50.0) + epoch_rows(1, START + 200, 120.0, 60.0)[:1]
+    two = write_run(tmp_path, "Nov01_00-00-00_h_resnet18_gpux2_b4_cpu1_optO0", 2, validating, device="2 x NVIDIA H100")
+    (two / "io.csv").write_text("")
+    four = write_run(tmp_path, "Nov01_00-00-01_h_resnet18_gpux4_b4_cpu1_optO0", 4, epoch_rows(0, START, 180.0, 50.0),
+                     device="4 x NVIDIA H100")
+    (tmp_path / "just-started").mkdir()
+    (tmp_path / "just-started" / "config.json").write_text("{}")
+    logs = plots.load([tmp_path])
+    assert [run.name for run in logs.runs] == [two.name, four.name] and logs.io == []
+    assert list(logs.runs[0].epochs.index) == [0] and plots.mean_images_per_second(logs.runs[0]) == 100.0
+    table = plots.summarize(logs.runs)
+    assert table["series"].tolist() == ["NVIDIA H100: resnet18 optO0"] * 2
+    assert table["scaling_efficiency_percent"].tolist() == [100.0, 90.0]  # 50 and 45 images/s per GPU

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common import distributed, engine, precision, schedules, telemetry
-from common.meters import ClassReport
+from common.meters import ClassReport, MetricSums
 from conftest import REPO, make_image_folder, run_script
 
 # --- throughput and data wait against a known truth ---
@@ -105,7 +105,7 @@ def test_warm_up_steps_are_left_out_of_the_rates_and_said_so(capsys):
 
 @pytest.mark.parametrize("steps, asked, excluded", [(21, 10, 10), (20, 10, 0), (5, 0, 0), (3, 1, 1)])
 def test_a_split_of_at_most_twice_the_warm_up_is_timed_whole(steps, asked, excluded):
-    assert telemetry.StepTimer(steps, asked, torch.device("cpu")).warmup_steps == excluded
+    assert telemetry.StepTimer(steps, asked, [torch.device("cpu")]).warmup_steps == excluded
 
 
 # --- the bytes the input pipeline read, exactly, summed over processes ---
@@ -114,7 +114,7 @@ def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
     data = make_image_folder(tmp_path / "data")  # 24 training images (3 steps of 4 per process), 9 val
     result = run_script([REPO / "imagenet_ddp.py", data, "-a", "resnet18", "--image-size", "32", "--val-resize",
                          "32", "-b", "4", "-j", "1", "--epochs", "1", "--nproc-per-node", "2", "--io-interval",
-                         "0.5", "--throughput-warmup-steps", "1", "--logdir", tmp_path / "runs"],
+                         "0.5", "--throughput-warmup-steps", "1", "-p", "1", "--logdir", tmp_path / "runs"],
                         env_extra={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -132,8 +132,11 @@ def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
 
     tags = set(EventAccumulator(str(run_dir)).Reload().Tags()["scalars"])
     assert {"Throughput/train", "Throughput/train_per_gpu", "Time/train", "Data/wait_fraction", "Memory/peak_mib",
-            "F1/val_macro", "IO/dataset_bytes_train", "Throughput/train_interval",
-            "Data/wait_fraction_train_interval"} <= tags
+            "F1/val_macro", "IO/dataset_bytes_train"} <= tags
+    per_interval = EventAccumulator(str(run_dir / "steps")).Reload()
+    assert {"Throughput/train_interval", "Time/train_interval", "Data/wait_fraction_train_interval"} <= set(
+        per_interval.Tags()["scalars"])
+    assert [event.step for event in per_interval.Scalars("Throughput/train_interval")] == [1, 2, 3]  # -p 1
     # One I/O sampler on this node; its samples reached io.csv through the primary.
     with open(run_dir / "io.csv", newline="") as handle:
         samples = list(csv.DictReader(handle))
@@ -192,7 +195,7 @@ def test_class_report_matches_hand_computed_values():
     confusion = np.array([[3, 1, 0],
                           [2, 0, 2],
                           [0, 0, 0]])
-    report = ClassReport(confusion)
+    report = ClassReport.from_confusion(confusion)
     # precision = hits / predicted: class 0: 3/5; class 1: 0/1; class 2: 0/2.
     assert report.precision == pytest.approx([60.0, 0.0, 0.0])
     # recall = hits / support: 3/4, 0/4, and 0 for the class without images.
@@ -204,7 +207,7 @@ def test_class_report_matches_hand_computed_values():
 
 
 def test_class_report_file_lists_every_class_then_the_averages(tmp_path):
-    report = ClassReport(np.array([[2, 0], [1, 1]]))
+    report = ClassReport.from_confusion(np.array([[2, 0], [1, 1]]))
     telemetry.write_class_report(report, ["cat", "dog"], 4, tmp_path / "r.csv", tmp_path / "c.npy")
     with open(tmp_path / "r.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -213,3 +216,47 @@ def test_class_report_file_lists_every_class_then_the_averages(tmp_path):
     assert rows[-1]["f1_percent"] == "75.0000" and rows[-1]["support"] == "4" and rows[0]["epoch"] == "4"
     assert (np.load(tmp_path / "c.npy") == [[2, 0], [1, 1]]).all()
     assert not list(Path(tmp_path).glob(".*.tmp"))  # written whole, then renamed into place
+
+
+def test_io_sampler_on_a_path_this_node_cannot_see_records_missing_samples(tmp_path):
+    """--synthetic samples the log directory, which on a node without a shared file system may not
+    exist: the sampler must neither raise (the other processes would wait for this one) nor invent zeros."""
+    sampler = telemetry.IOSampler(str(tmp_path / "only-on-the-primary"), interval_seconds=60)
+    sampler.sample()
+    (row,) = sampler.take_rows()
+    assert sampler.device is None and "cannot see" in row["device"] and "read_bytes_per_second" not in row
+
+
+def test_top1_and_the_class_report_agree_on_ties():
+    """Equal logits: whatever class top-1 picks, the per-class report counts the same pick."""
+    sums = MetricSums(torch.device("cpu"), num_classes=4)
+    logits = torch.zeros(8, 4, dtype=torch.bfloat16)
+    target = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    sums.add(torch.tensor(1.0), logits, target)
+    report = sums.class_report(distributed.single_process("cpu"))
+    assert report.true_positives.sum() == sums.totals().top1_correct
+    assert report.micro == sums.totals().top1
+
+
+def test_many_classes_keep_per_class_counts_but_no_matrix():
+    classes = MetricSums.CONFUSION_MAX_CLASSES + 1
+    sums = MetricSums(torch.device("cpu"), num_classes=classes)
+    logits = torch.zeros(2, classes)
+    logits[0, 5] = logits[1, 7] = 1.0
+    sums.add(torch.tensor(1.0), logits, torch.tensor([5, 6]))
+    report = sums.class_report(distributed.single_process("cpu"))
+    assert sums.confusion is None and report.confusion is None
+    assert (report.true_positives[5], report.predicted[7], report.support[6], report.support.sum()) == (1, 1, 1, 2)
+    assert report.recall[5] == 100.0 and report.precision[7] == 0.0
+
+
+def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_path):
+    """Resuming a run directory written before columns were added: every row must match the header."""
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,split,loss\n0,train,2.5\n")
+    telemetry._append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
+                                                                          "macro_f1": 40.0}])
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows == [{"epoch": "0", "split": "train", "loss": "2.5", "macro_f1": ""},
+                    {"epoch": "1", "split": "val", "loss": "1.5", "macro_f1": "40.0"}]
