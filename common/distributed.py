@@ -473,7 +473,9 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
             failed = [worker for worker in running if worker.exitcode not in (None, 0)]
             running = [worker for worker in running if worker.exitcode is None]
             if failed:
-                _report_failure(failed[0], running)
+                # Of workers that ended together, name the cause: one killed by a signal (its peers then
+                # fail on the broken connection) before one that exited with an error status.
+                _report_failure(min(failed, key=lambda worker: worker.exitcode >= 0), running)
     except KeyboardInterrupt:
         _stop(workers)
         raise
