@@ -467,15 +467,7 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
     try:
         for worker in workers:
             worker.start()
-        running = list(workers)
-        while running:
-            multiprocessing.connection.wait([worker.sentinel for worker in running])
-            failed = [worker for worker in running if worker.exitcode not in (None, 0)]
-            running = [worker for worker in running if worker.exitcode is None]
-            if failed:
-                # Of workers that ended together, name the cause: one killed by a signal (its peers then
-                # fail on the broken connection) before one that exited with an error status.
-                _report_failure(min(failed, key=lambda worker: worker.exitcode >= 0), running)
+        _watch(workers)
     except KeyboardInterrupt:
         _stop(workers)
         raise
@@ -483,8 +475,26 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
         signal.signal(signal.SIGTERM, previous_sigterm)
 
 
+def _watch(workers) -> None:
+    """Wait until every worker has exited with status 0, or report the first
+    failure (which stops the others and exits)."""
+    running = list(workers)
+    while running:
+        multiprocessing.connection.wait([worker.sentinel for worker in running])
+        # Read each exit code once: a read as None (not yet reaped) and then as 2 by a second read
+        # would drop a failed worker without reporting it, and the job would exit 0.
+        exit_codes = [(worker, worker.exitcode) for worker in running]
+        failed = [(worker, code) for worker, code in exit_codes if code not in (None, 0)]
+        running = [worker for worker, code in exit_codes if code is None]
+        if failed:
+            # Of workers that ended together, name the cause: one killed by a signal (its peers then
+            # fail on the broken connection) before one that exited with an error status.
+            _report_failure(min(failed, key=lambda pair: pair[1] >= 0)[0], running)
+
+
 def _report_failure(failed, running) -> None:
-    multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
+    if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
+        multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
     _stop(running)
     code = failed.exitcode
     if code == 2:  # a UsageError: the worker has printed it

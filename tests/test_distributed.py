@@ -137,3 +137,40 @@ def test_launch_is_picklable_for_spawned_workers():
     launch = discover(ddp_config("--nproc-per-node", "2"), {}, gpus_visible=0)
     assert pickle.loads(pickle.dumps(launch)) == launch
     assert dataclasses.replace(launch, node_rank=1).rank_of(1) == 3
+
+
+class _EndedWorker:
+    """A worker that has exited but is reaped only between two reads of its exit code (a race the
+    supervisor meets under load): the first read gives None, later ones `code`."""
+
+    def __init__(self, name: str, code: int):
+        import os
+
+        self.name, self._codes = name, iter([None])
+        self._code = code
+        read_end, write_end = os.pipe()
+        os.close(write_end)  # end of file: the sentinel is ready, as a dead process's is
+        self.sentinel = read_end
+
+    @property
+    def exitcode(self):
+        return next(self._codes, self._code)
+
+
+@pytest.mark.parametrize("code, status", [(2, 2), (1, 1), (-9, 1)])
+def test_a_failed_worker_reaped_between_two_reads_still_fails_the_job(code, status, capsys):
+    from common import distributed
+
+    with pytest.raises(SystemExit) as stopped:
+        distributed._watch([_EndedWorker("rank1", code)])
+    assert stopped.value.code == status
+    if code != 2:  # status 2: the worker printed its own error line
+        assert "error: worker rank1" in capsys.readouterr().err
+
+
+def test_of_workers_ending_together_the_one_killed_by_a_signal_is_named(capsys):
+    from common import distributed
+
+    with pytest.raises(SystemExit):
+        distributed._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
+    assert "worker rank1 was killed by SIGKILL" in capsys.readouterr().err
