@@ -407,7 +407,12 @@ def _check_values(ns: argparse.Namespace) -> None:
 
 
 def program() -> str:
-    """The running script's name, as error lines start with it."""
+    """The running script's name, as error lines start with it: `imagenet_nd.py`,
+    or `python -m common.plots` for a module run with -m."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("common."):
+        return f"python -m {spec.name}"
     return os.path.basename(sys.argv[0])
 
 

@@ -231,6 +231,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "common.plots", *argv, "--out", str(tmp_path / "f")],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr
+        assert done.stderr.startswith("python -m common.plots: error: ")
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 

@@ -70,3 +70,4 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, case):
     done = results_command(*argv)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and named in done.stderr, done.stderr
+    assert done.stderr.startswith("python -m common.results: error: ")
