@@ -80,10 +80,6 @@ def read_rgb(path: str) -> Tuple[Image.Image, int]:
         ) from None
 
 
-def load_rgb(path: str) -> Image.Image:
-    return read_rgb(path)[0]
-
-
 def _image_files(class_dir: Path) -> List[str]:
     """Image files under a class folder (recursively, following symlinks),
     by extension, case-insensitive; hidden and other files are ignored."""

@@ -12,7 +12,7 @@ from PIL import Image
 
 from common import data
 from common.cli import UsageError, parse
-from common.data import BadImageError, ShardSampler, build_loaders, load_rgb, scan_split
+from common.data import BadImageError, ShardSampler, build_loaders, read_rgb, scan_split
 from common.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
 from conftest import FAST_ARGS, make_image_folder
@@ -169,9 +169,9 @@ def test_every_image_mode_becomes_rgb(tmp_path):
     Image.new("RGB", (5, 4), (1, 2, 3)).save(png_named_jpeg, format="PNG")
     paths["png-as-jpeg"] = png_named_jpeg
     for path in paths.values():
-        image = load_rgb(str(path))
-        assert image.mode == "RGB" and image.size == (5, 4)
-    assert load_rgb(str(png_named_jpeg)).getpixel((0, 0)) == (1, 2, 3)
+        image, file_bytes = read_rgb(str(path))
+        assert image.mode == "RGB" and image.size == (5, 4) and file_bytes == path.stat().st_size
+    assert read_rgb(str(png_named_jpeg))[0].getpixel((0, 0)) == (1, 2, 3)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "zero-bytes", "garbage"])
@@ -182,7 +182,7 @@ def test_unreadable_image_raises_one_line_naming_the_file(tmp_path, damage):
     path.write_bytes({"truncated": content[: len(content) // 2], "zero-bytes": b"",
                       "garbage": b"GIF89a not really"}[damage])
     with pytest.raises(BadImageError) as caught:
-        load_rgb(str(path))
+        read_rgb(str(path))
     message = str(caught.value)
     assert message.startswith(f"{path}: cannot decode image") and "\n" not in message
 

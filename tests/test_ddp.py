@@ -224,7 +224,7 @@ def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
     for path in sorted(val_dir.rglob("*.JPEG")):
         with torch.no_grad():
-            predicted = model(transform(data_module.load_rgb(str(path))).unsqueeze(0)).argmax().item()
+            predicted = model(transform(data_module.read_rgb(str(path))[0]).unsqueeze(0)).argmax().item()
         confusion[classes.index(path.parent.name), predicted] += 1
     return confusion
 
