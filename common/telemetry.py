@@ -392,9 +392,9 @@ def _append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     its rows kept, so every row matches the header."""
     new_file = not path.is_file()
     if not new_file:
-        with open(path, newline="") as handle:
-            reader = csv.DictReader(handle)
-            old_rows = list(reader) if reader.fieldnames != columns else None
+        with open(path, newline="") as handle:  # the header only, unless it differs (io.csv grows long)
+            header = next(csv.reader(handle), None)
+            old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
         if old_rows is not None:
             temporary = path.with_name(f".{path.name}.tmp")
             with open(temporary, "w", newline="") as handle:
