@@ -212,7 +212,8 @@ def _tcp_address(url: str) -> tuple:
     return match.group(1).strip("[]"), int(match.group(2))
 
 
-def _free_local_port() -> int:
+def free_local_port() -> int:
+    """A TCP port on this machine that nothing listens on (the OS picks it)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -290,7 +291,7 @@ def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Laun
         _tcp_address(cfg.dist_url)  # checks the form
         init_method = cfg.dist_url
     else:
-        init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        init_method = f"tcp://127.0.0.1:{free_local_port()}"
     return Launch(launcher="spawn", init_method=init_method, world_size=nodes * procs_per_node, nodes=nodes,
                   node_rank=node_rank, procs_per_node=procs_per_node)
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from common.distributed import Context
+from common.distributed import Context, free_local_port
 from common.meters import EpochMetrics, MetricSums, MetricTotals, SplitTiming, topk_correct
 
 # Four samples, six classes; the comment gives the rank of the target's logit.
@@ -106,13 +106,9 @@ def _sum_over_two_processes(rank, port, out_dir):
 
 
 def test_totals_are_summed_across_processes(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_local_port()
     mp.start_processes(_sum_over_two_processes, args=(port, tmp_path), nprocs=2, start_method="fork")
     # (4 x 2.0 + 1 x 7.0, top-1, top-5, count, timed images, bytes): one epoch's totals.
     confusion = np.zeros((6, 6), dtype=int)

@@ -4,7 +4,6 @@ imagenet_ddp_apex.py launched as the Apex tutorial launches it."""
 import csv
 import json
 import math
-import socket
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ from torch import nn
 
 from common import cli
 from common.cli import UsageError
+from common.distributed import free_local_port
 from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
 from conftest import REPO, run_command, run_script
 from test_ddp import ENV, MODEL, free_port, max_abs_diff, metrics, single_run_dir, start, finish, weights
@@ -99,9 +99,7 @@ def _overflow_on_rank0_at_step_1(rank, port, out_dir):
 def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_local_port()
     # spawn, not fork: this process has run OpenMP-threaded ops already, which a forked child can hang on.
     mp.start_processes(_overflow_on_rank0_at_step_1, args=(port, tmp_path), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
