@@ -7,7 +7,7 @@ The whole recipe, top to bottom; the loop itself is common/engine.py.
 """
 import torch
 
-from common import checkpoint, cli, data, distributed, engine, models, precision, schedules, telemetry
+from common import checkpoint, cli, data, distributed, engine, models, precision, preemption, schedules, telemetry
 
 
 def main(argv=None):
@@ -33,14 +33,13 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     policy = precision.FP32()
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
-    start = checkpoint.ResumePoint(start_epoch=cfg.start_epoch)
-    if cfg.resume:
-        start = checkpoint.resume(cfg.resume, model, optimizer, policy, cfg.arch, loaders.classes)
-        log.info(f"resumed from {cfg.resume}: next epoch {start.start_epoch}, best top-1 {start.best_acc1:.2f}%")
+    # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
+    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,
+                              global_batch=global_batch, lr=lr)
 
     trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
                              channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch,
-                             warmup_steps=cfg.warmup_steps)
+                             warmup_steps=cfg.warmup_steps, control=preemption.StopControl.for_run(cfg, ctx))
     log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
     if cfg.evaluate:
         val, report = trainer.validate(loaders, start.start_epoch)
@@ -48,12 +47,12 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
         return
     log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
-    log.start_run(cfg, start.start_epoch, resolved={
+    log.start_run(cfg, start, resolved={
         "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
         "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
     })
-    trainer.fit(loaders, cfg.epochs, start, arch=cfg.arch, config=cfg.to_dict(), desired_acc=cfg.desired_acc)
+    trainer.fit(loaders, cfg.epochs, start, engine.RunFacts.of(cfg, global_batch, lr), desired_acc=cfg.desired_acc)
 
 
 if __name__ == "__main__":

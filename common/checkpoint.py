@@ -1,10 +1,21 @@
-"""Checkpoints: atomic save, safe load, full-state resume.
+"""Checkpoints: atomic save, rotation, safe load, full-state and mid-epoch resume.
 
 A checkpoint holds everything needed to continue as if never stopped: the
 unwrapped model (so any of the four scripts can load it), optimizer,
-precision-policy state, next epoch, best top-1, RNG states, class names and
-the run's options. Files are written to a temporary name and renamed, so a
-crash mid-write leaves the previous checkpoint intact. Loading uses
+precision-policy state (the loss scaler), the position (epoch, steps and
+images of it done: the LR schedule is a function of the position), the
+training split's sums and times so far (so the epoch's metrics row counts
+every step once), best top-1, seed, world size, global batch and LR, RNG
+states, class names and the run's options.
+
+In a run directory each checkpoint is a file of its own,
+checkpoint-epoch<E>-step<S>.pth.tar (E: the epoch in progress, S: its steps
+done); checkpoint.pth.tar is always the newest (a hard link, or a copy where
+the file system has none), model_best.pth.tar the best epoch's, and only the
+newest --keep-checkpoints files are kept. Files are written to a temporary
+name, flushed and renamed, so a crash mid-write leaves the previous
+checkpoint intact; --resume auto still checks each file and falls back to
+the previous one when the newest cannot be read. Loading uses
 torch.load(weights_only=True): a checkpoint cannot run code.
 """
 from __future__ import annotations
@@ -12,21 +23,30 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, Dict, List, Optional
+from typing import BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common.cli import UsageError, error_summary
+from common.cli import Config, UsageError, error_summary
+from common.distributed import Context, broadcast_from_primary
 from common.models import unwrap
 
-FORMAT = "imagenet-reference-checkpoint/1"
-CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest epoch's state (names as in pytorch/examples)
+FORMAT = "imagenet-reference-checkpoint/2"  # /2: a position within the epoch (step, images_done, partial_epoch)
+CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
+_KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-step(\d+)\.pth\.tar$")
+
+
+def kept_name(epoch: int, step: int) -> str:
+    """The file name of the checkpoint taken with `step` steps of epoch `epoch` done."""
+    return f"checkpoint-epoch{epoch:03d}-step{step:06d}.pth.tar"
 
 
 def capture_rng_state() -> dict:
@@ -54,20 +74,29 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: dict, next_epoch: int,
-                   best_acc1: float, best_epoch: Optional[int], arch: str, classes: List[str],
-                   config: dict) -> dict:
-    """The checkpoint contents after an epoch (`next_epoch` is the one to run next)."""
+def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: dict, epoch: int, step: int,
+                   images_done: int, partial_epoch: Optional[dict], best_acc1: float, best_epoch: Optional[int],
+                   arch: str, classes: List[str], config: dict, world_size: int, global_batch: int, lr: float,
+                   seed: int) -> dict:
+    """The checkpoint contents with `step` steps (`images_done` images, all
+    processes) of epoch `epoch` done; after an epoch, the next epoch at step 0."""
     return {
         "format": FORMAT,
         "arch": arch,
-        "epoch": next_epoch,
+        "epoch": epoch,
+        "step": step,
+        "images_done": images_done,
+        "partial_epoch": partial_epoch,  # the training split's sums and timing up to `step` (engine.Trainer)
         "state_dict": _plain_state_dict(unwrap(model).state_dict()),  # also inner wrappers (DataParallel features)
         "optimizer": optimizer.state_dict(),
         "precision": precision_state,
         "best_acc1": best_acc1,
         "best_epoch": best_epoch,
         "classes": list(classes),
+        "world_size": world_size,  # model replicas
+        "global_batch": global_batch,
+        "lr": lr,  # the peak rate after linear scaling
+        "seed": seed,
         "rng": capture_rng_state(),
         "config": config,
     }
@@ -88,14 +117,47 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
             temporary.unlink()
 
 
-def save(state: dict, run_dir: Path, is_best: bool) -> Path:
-    """Save `state` as run_dir/checkpoint.pth.tar (and model_best.pth.tar when
-    it is the best so far), atomically. Call on the primary process only."""
-    path = Path(run_dir) / CHECKPOINT_NAME
+def _link_atomically(source: Path, destination: Path) -> None:
+    """Make `destination` the same file as `source` (a hard link: no second
+    copy on disk; a copy where links are not supported), replacing it at once."""
+    temporary = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:
+            with open(source, "rb") as original:
+                _atomic_write(temporary, lambda handle: shutil.copyfileobj(original, handle))
+        os.replace(temporary, destination)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def position_of(path: Path) -> Optional[Tuple[int, int]]:
+    """(epoch, step) of a checkpoint-epoch<E>-step<S>.pth.tar file; None for other names."""
+    match = _KEPT_NAME.match(Path(path).name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def kept_checkpoints(run_dir: Path) -> List[Path]:
+    """The run directory's checkpoint-epoch*-step*.pth.tar files, newest first."""
+    found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None]
+    return sorted(found, key=position_of, reverse=True)
+
+
+def save(state: dict, run_dir: Path, is_best: bool, keep: int = 3) -> Path:
+    """Save `state` as its own file in `run_dir`, make checkpoint.pth.tar (and,
+    when it is the best so far, model_best.pth.tar) that file, and delete all
+    but the newest `keep` checkpoint files. Call on the primary process only.
+    Returns the new file's path."""
+    run_dir = Path(run_dir)
+    path = run_dir / kept_name(state["epoch"], state.get("step", 0))
     _atomic_write(path, lambda handle: torch.save(state, handle))
+    _link_atomically(path, run_dir / CHECKPOINT_NAME)
     if is_best:
-        with open(path, "rb") as source:
-            _atomic_write(path.with_name(BEST_NAME), lambda handle: shutil.copyfileobj(source, handle))
+        _link_atomically(path, run_dir / BEST_NAME)
+    for old in kept_checkpoints(run_dir)[keep:]:
+        old.unlink()
     return path
 
 
@@ -109,6 +171,44 @@ def load(path: str, flag: str = "--resume") -> dict:
     if not isinstance(state, dict) or "state_dict" not in state:
         raise UsageError(f"argument {flag}: {path} is not a training checkpoint (it has no 'state_dict')")
     return state
+
+
+def newest_readable(run_dir: Path) -> Tuple[Optional[Path], List[str]]:
+    """The newest checkpoint of `run_dir` that loads (checkpoint.pth.tar, then
+    the kept files newest first), and a warning for each newer one that does
+    not. (None, []) when there is none at all; (None, warnings) when every one
+    is unreadable."""
+    run_dir = Path(run_dir)
+    newest = [run_dir / CHECKPOINT_NAME] if (run_dir / CHECKPOINT_NAME).is_file() else []
+    candidates = newest + kept_checkpoints(run_dir)
+    warnings, tried = [], []
+    for path in candidates:
+        if any(os.path.samefile(path, earlier) for earlier in tried):
+            continue  # checkpoint.pth.tar is a link to the newest kept file: read once
+        tried.append(path)
+        try:
+            load(str(path))
+        except UsageError as error:
+            warnings.append(str(error).split(": ", 1)[1])  # without "argument --resume: "
+            continue
+        return path, warnings
+    return None, warnings
+
+
+def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
+    """The run directory's name for --resume auto: one that is the same when
+    the job starts again (requeued by Slurm, restarted by torchrun)."""
+    if cfg.run_name is not None:
+        return cfg.run_name
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    if environ.get("SLURM_JOB_ID"):
+        return f"slurm-{environ['SLURM_JOB_ID']}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id not in ("", "none"):
+        return f"torchrun-{run_id}"
+    raise UsageError("argument --resume: auto needs a run directory that stays the same when the job starts "
+                     "again: pass --run-name NAME (under Slurm the job id names it)")
 
 
 _WRAPPER_NAMES = {"module", "_orig_mod"}  # what DataParallel / DDP and torch.compile insert in parameter names
@@ -147,20 +247,60 @@ def load_model_weights(state: dict, model: nn.Module, arch: str, classes: List[s
 
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
-    """Where training starts: the epoch, and the best validation top-1 so far."""
+    """Where training starts: the epoch, the steps and images of it already
+    done (a mid-epoch checkpoint), and the best validation top-1 so far."""
 
     start_epoch: int
     best_acc1: float = float("-inf")  # -inf before any validation: the first epoch is the best so far
     best_epoch: Optional[int] = None
+    step: int = 0  # steps of start_epoch done before the checkpoint
+    images_done: int = 0  # images of start_epoch's order trained on, all processes together
+    partial_epoch: Optional[dict] = None  # start_epoch's training sums and timing so far
+    path: Optional[str] = None  # the checkpoint resumed from
 
 
-def resume(path: str, model: nn.Module, optimizer: Optimizer, precision, arch: str,
-           classes: List[str]) -> ResumePoint:
-    """Restore model, optimizer, precision policy and RNG states from `path`;
-    returns where to continue. The LR schedule is a function of the epoch,
-    so restoring the epoch restores it."""
+def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Optional[str]:
+    """The file --resume names; for `auto`, the primary's choice in the run
+    directory (on every process), or None to start from scratch."""
+    if cfg.resume != "auto":
+        return cfg.resume
+    choice = error = None
+    if ctx.is_primary:
+        try:
+            run_dir = Path(cfg.logdir) / auto_run_name(cfg)
+            path, warnings = newest_readable(run_dir) if run_dir.is_dir() else (None, [])
+            for warning in warnings if path is not None else []:
+                print(f"warning: {warning}; using the previous checkpoint {path}", file=sys.stderr, flush=True)
+            if path is None and warnings:
+                error = (f"argument --resume: no checkpoint in {run_dir} can be read (the last tried: "
+                         f"{warnings[-1]}); move the damaged files away to start from scratch")
+            elif path is None:
+                log.info(f"--resume auto: no checkpoint in {run_dir} yet; starting from scratch")
+            else:
+                choice = str(path)
+        except UsageError as failure:
+            error = str(failure)
+    choice, error = broadcast_from_primary((choice, error), ctx)
+    if error is not None:
+        raise UsageError(error)
+    return choice
+
+
+def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
+           global_batch: int, lr: float) -> ResumePoint:
+    """Where to start: --start-epoch without --resume; otherwise restore model,
+    optimizer, precision policy and RNG states from the checkpoint --resume
+    names (or, with `auto`, the newest readable one of the run directory) and
+    continue at its position. A checkpoint of another world size continues
+    the same epoch with this run's global batch and LR, and says so."""
+    path = _choose_checkpoint(cfg, ctx, log)
+    if path is None:
+        return ResumePoint(start_epoch=cfg.start_epoch)
     state = load(path)
-    load_model_weights(state, model, arch, classes, "--resume", path)
+    load_model_weights(state, model, cfg.arch, classes, "--resume", path)
+    if state.get("seed", cfg.seed) != cfg.seed:
+        raise UsageError(f"argument --seed: {cfg.seed} is not the seed of {path} ({state['seed']}); an exact "
+                         f"resume replays that seed's order and crops: pass --seed {state['seed']}")
     if "optimizer" in state:
         try:
             optimizer.load_state_dict(state["optimizer"])
@@ -171,8 +311,25 @@ def resume(path: str, model: nn.Module, optimizer: Optimizer, precision, arch: s
     if "rng" in state:
         restore_rng_state(state["rng"])
     best = state.get("best_acc1", 0.0)
-    return ResumePoint(
+    start = ResumePoint(
         start_epoch=int(state.get("epoch", 0)),
         best_acc1=float(best.item() if isinstance(best, torch.Tensor) else best),
         best_epoch=state.get("best_epoch"),
+        step=int(state.get("step", 0)),
+        images_done=int(state.get("images_done", 0)),
+        partial_epoch=state.get("partial_epoch"),
+        path=path,
     )
+    where = f"epoch {start.start_epoch}" + (f" after {start.step} steps" if start.step else "")
+    how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
+    best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
+                   if start.best_epoch is not None else "")
+    log.info(f"{how} {path} ({where}{best_so_far})")
+    saved_world, saved_batch = state.get("world_size"), state.get("global_batch")
+    if saved_world is not None and (saved_world, saved_batch) != (ctx.replicas, global_batch):
+        log.info(f"the checkpoint was written by {saved_world} replicas (global batch {saved_batch}, lr "
+                 f"{state.get('lr', float('nan')):g}); this run has {ctx.replicas}: global batch {global_batch}, "
+                 f"lr {lr:g} (linear scaling)"
+                 + (f"; epoch {start.start_epoch} goes on after its first {start.images_done} images"
+                    if start.images_done else ""))
+    return start

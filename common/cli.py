@@ -11,10 +11,15 @@ import argparse
 import dataclasses
 import difflib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
+
+# sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
+# writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
+STOPPED_EXIT_STATUS = 75
 
 # The parallelism modes, one per entry script.
 MODES = ("nd", "dp", "ddp", "ddp_apex")
@@ -82,6 +87,11 @@ class Config:
     io_interval: float = 60.0  # seconds between block-device I/O samples; 0: no sampling
     warmup_steps: int = 10  # first steps of each epoch left out of throughput and data-wait figures
     report_dir: Optional[str] = None  # --evaluate: where the per-class report goes
+    checkpoint_every_steps: int = 0  # mid-epoch checkpoints every N steps; 0: not by steps
+    checkpoint_every_minutes: float = 10.0  # ... or every N minutes; 0: not by time
+    keep_checkpoints: int = 3
+    preempt_signal: str = "SIGUSR1"
+    requeue: str = "auto"  # auto | always | never
     opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
     amp_dtype: Optional[str] = None  # fp16 | bf16; None: fp16 on CUDA, bf16 on the CPU
     keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
@@ -241,9 +251,11 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group = parser.add_argument_group("run")
     group.add_argument("-p", "--print-freq", type=positive_int, default=10, metavar="N",
                        help="print a progress line every N steps")
-    group.add_argument("--resume", default=None, metavar="PATH",
-                       help="continue from a checkpoint (model, optimizer, schedule, epoch, best accuracy, "
-                            "RNG state); logs continue in the checkpoint's run directory")
+    group.add_argument("--resume", default=None, metavar="PATH|auto",
+                       help="continue from a checkpoint (model, optimizer, loss scaler, position within the epoch, "
+                            "best accuracy), exactly where it stopped; logs continue in its run directory. auto: the "
+                            "newest readable checkpoint of this run's directory (--run-name, else the Slurm job id), "
+                            "or a fresh start when there is none yet: the same command serves every restart")
     group.add_argument("-e", "--evaluate", action="store_true",
                        help="only validate (the --resume checkpoint or the --pretrained weights) and exit")
     group.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
@@ -261,6 +273,21 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                        help="auto: CUDA when a GPU is visible, else the CPU")
 
+    group = parser.add_argument_group("checkpoints and preemption")
+    group.add_argument("--checkpoint-every", type=_checkpoint_interval, default="10min", metavar="Nmin|Nsteps",
+                       help="also write a checkpoint every N minutes (10min) or training steps (500steps) within "
+                            "epochs, not only at their ends; 0: at epoch ends only")
+    group.add_argument("--keep-checkpoints", type=positive_int, default=3, metavar="K",
+                       help="keep the newest K checkpoint files of the run (checkpoint.pth.tar is the newest)")
+    group.add_argument("--preempt-signal", type=_signal_name, default="SIGUSR1", metavar="SIG",
+                       help="the signal Slurm's --signal sends before the time limit: every process stops at the "
+                            "same step, a checkpoint is written, and under Slurm the job is requeued. SIGTERM "
+                            f"(scancel, preemption) also stops with a checkpoint, without requeue. Exit status "
+                            f"after such a stop: {STOPPED_EXIT_STATUS}")
+    group.add_argument("--requeue", choices=("auto", "always", "never"), default="auto",
+                       help="after a stop on --preempt-signal, run `scontrol requeue $SLURM_JOB_ID`; auto: when "
+                            "SLURM_JOB_ID is set")
+
     group = parser.add_argument_group("measurement")
     group.add_argument("--throughput-warmup-steps", dest="warmup_steps", type=non_negative_int, default=10,
                        metavar="N", help="leave each epoch's first N steps (start-up, cuDNN autotuning, workers "
@@ -277,6 +304,35 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     if mode == "ddp_apex":
         _add_precision_flags(parser)
     return parser
+
+
+def _checkpoint_interval(text: str) -> Tuple[int, float]:
+    """'10min' -> (0, 10.0); '500steps' -> (500, 0.0); '0' -> (0, 0.0): (steps, minutes)."""
+    value = text.strip().lower()
+    try:
+        if value == "0":
+            return 0, 0.0
+        if value.endswith("min") and float(value[:-3]) > 0:
+            return 0, float(value[:-3])
+        if value.endswith("steps") and int(value[:-5]) > 0:
+            return int(value[:-5]), 0.0
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected minutes like 10min, steps like 500steps, or 0, got {text!r}")
+
+
+def _signal_name(text: str) -> str:
+    """USR1, SIGUSR1 or 10 -> 'SIGUSR1'; signals that cannot be caught or mean
+    something else here (SIGKILL, SIGSTOP, SIGINT, SIGCHLD) are refused."""
+    value = text.strip().upper()
+    try:
+        number = signal.Signals(int(value)) if value.isdigit() else signal.Signals[
+            value if value.startswith("SIG") else f"SIG{value}"]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown signal {text!r} (e.g. USR1, USR2, TERM)") from None
+    if number in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGCHLD):
+        raise argparse.ArgumentTypeError(f"{number.name} cannot be used (e.g. USR1, USR2, TERM)")
+    return number.name
 
 
 def _true_false(text: str) -> bool:
@@ -350,6 +406,7 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     values = vars(ns)  # argparse destinations are the Config field names
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
+    values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
     return Config(mode=mode, **values)
 
 
@@ -380,7 +437,7 @@ def _check_values(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
     if ns.run_name is not None and (not ns.run_name or os.sep in ns.run_name or ns.run_name in (".", "..")):
         raise UsageError(f"argument --run-name: {ns.run_name!r} must be a plain folder name")
-    if ns.resume is not None:
+    if ns.resume is not None and ns.resume != "auto":
         resume = Path(ns.resume)
         if not resume.is_file():
             raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
@@ -433,11 +490,14 @@ def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[i
 def run(main: Callable[[], object]) -> None:
     """Run an entry script's main(): a UsageError becomes one line on stderr
     and exit status 2; Ctrl-C exits with 130 without a traceback."""
+    from common.distributed import ignore_stop_signals_until_training  # here: it imports this module
+
     prog = program()
+    ignore_stop_signals_until_training()
     try:
         main()
     except UsageError as error:
-        from common.distributed import launched_identity  # here: common.distributed imports this module
+        from common.distributed import launched_identity
 
         report(error, *launched_identity())
         sys.exit(2)

@@ -6,28 +6,32 @@ same mapping. Unreadable images stop the run at once, naming the file (a
 multi-hour run must neither crash later with an anonymous worker traceback
 nor hang).
 
-Reproducibility: the training order is a function of (seed, epoch), via
-DistributedSampler even in one process, and each epoch reseeds the worker
-seeds' generator and the process's torch RNG with (seed, epoch, rank), so
-augmentation depends only on (seed, epoch, rank, worker count), not on how
-many epochs this process has already run. That is what makes a resumed run
-equal an uninterrupted one, at any world size.
+Reproducibility, which makes a resumed run equal an uninterrupted one: an
+epoch's order is one permutation of the training set, a function of (seed,
+epoch), cut into consecutive global batches whatever the world size
+(TrainSampler); each image's random crop and flip are drawn from a seed of
+its own, (seed, epoch, image index), so they do not depend on which process
+or data-loading worker reads it, nor on how many there are. A checkpoint
+taken mid-epoch records how many images of the permutation were used, and
+the resumed epoch starts right after them.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import os
+import random
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms
 
 from common.cli import Config, UsageError, error_summary
-from common.distributed import PER_RANK_SEED_STRIDE, Context, data_loader_worker_init
+from common.distributed import Context, data_loader_worker_init
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -120,12 +124,25 @@ def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None) -
     return classes, samples
 
 
-class ImageFolderDataset(Dataset):
-    """(transformed image, class index) for a list of (path, class index)."""
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (seed, epoch, index, ...): a hash, so
+    neighbouring tuples get unrelated random streams."""
+    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
-    def __init__(self, samples: Sequence[Tuple[str, int]], transform):
+
+class ImageFolderDataset(Dataset):
+    """(transformed image, class index) for a list of (path, class index).
+
+    With `augmentation_seed` set (training), the transform of image `index`
+    in epoch `epoch` draws its randomness from derived_seed(augmentation_seed,
+    epoch, index): the same crop in whichever process or worker reads it."""
+
+    def __init__(self, samples: Sequence[Tuple[str, int]], transform, augmentation_seed: Optional[int] = None):
         self.samples = list(samples)
         self.transform = transform
+        self.augmentation_seed = augmentation_seed
+        self.epoch = 0  # set by Loaders.set_epoch; data-loading workers get a copy when an epoch's iteration starts
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -133,6 +150,13 @@ class ImageFolderDataset(Dataset):
     def __getitem__(self, index: int) -> Sample:
         path, target = self.samples[index]
         image, file_bytes = read_rgb(path)
+        if self.augmentation_seed is not None:
+            # torchvision's random transforms draw from torch's global generator (and user transforms
+            # often from Python's): both are reseeded per image. With -j 0 this is the training
+            # process's generator, which the training loop reseeds before each step.
+            seed = derived_seed(self.augmentation_seed, self.epoch, index)
+            torch.manual_seed(seed)
+            random.seed(seed)
         return Sample(self.transform(image), target, file_bytes)
 
 
@@ -171,6 +195,60 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
+class TrainSampler(Sampler):
+    """This process's share of an epoch: the epoch's permutation of the
+    training set (a function of seed and epoch), cut into global batches of
+    batch_size x world_size consecutive positions; rank r takes positions r,
+    r + world_size, ... of each. A world of any size so covers the same
+    prefix of the permutation after the same number of images, which is what
+    lets a checkpoint written by W processes continue with W' (only the
+    incomplete last global batch of an epoch is left out, on every process alike).
+
+    set_epoch(epoch, images_done) starts the epoch after its first
+    `images_done` positions (a mid-epoch resume), and `limit` caps its steps
+    (--steps-per-epoch)."""
+
+    def __init__(self, length: int, rank: int, world_size: int, batch_size: int, seed: int):
+        self.length = length
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size  # per process
+        self.seed = seed
+        self.epoch = 0
+        self.images_done = 0
+        self.first_step = 0
+        self.steps = self.steps_per_epoch()
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def steps_per_epoch(self, limit: int = 0) -> int:
+        full = self.length // self.global_batch
+        return min(limit, full) if limit else full
+
+    def set_epoch(self, epoch: int, images_done: int = 0, limit: int = 0) -> range:
+        """Prepare epoch `epoch`, skipping its first `images_done` images;
+        returns the step numbers it will run (the last is always
+        steps_per_epoch - 1; the first is later after a resume)."""
+        self.epoch = epoch
+        self.images_done = images_done
+        total = self.steps_per_epoch(limit)
+        remaining = max(0, (total * self.global_batch - images_done) // self.global_batch)
+        self.first_step, self.steps = total - remaining, remaining
+        return range(self.first_step, total)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.length, generator=generator)
+        start = self.images_done + self.rank
+        stop = self.images_done + self.steps * self.global_batch
+        return iter(order[start:stop:self.world_size].tolist())
+
+    def __len__(self) -> int:
+        return self.steps * self.batch_size
+
+
 def train_transform(image_size: int, crop_scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5):
     return transforms.Compose([
         transforms.RandomResizedCrop(image_size, scale=crop_scale),
@@ -195,26 +273,29 @@ class Loaders:
     val: DataLoader
     classes: List[str]
     seed: int
-    rank: int = 0  # this process's rank: its augmentation stream is its own
+    rank: int = 0
 
     @property
     def num_classes(self) -> int:
         return len(self.classes)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Call before each epoch: the epoch's shuffle (the same on every
-        process) and everything random in it (crops in data-loading workers,
-        or with -j 0 in this process; dropout) depend only on (seed, epoch,
-        rank). A resumed run, whose processes' RNG states the checkpoint does
-        not hold, so continues exactly as an uninterrupted one."""
-        self.train.sampler.set_epoch(epoch)
-        epoch_seed = self.seed * 100_003 + epoch + self.rank * PER_RANK_SEED_STRIDE
-        self.train.generator.manual_seed(epoch_seed)
-        torch.manual_seed(epoch_seed)
+    def set_epoch(self, epoch: int, images_done: int = 0, limit: int = 0) -> range:
+        """Call before each epoch: its order and its crops depend only on
+        (seed, epoch) (see TrainSampler and ImageFolderDataset); a resumed
+        epoch skips the `images_done` images already trained on. Returns the
+        step numbers to run (see TrainSampler.set_epoch)."""
+        if isinstance(self.train.dataset, ImageFolderDataset):
+            self.train.dataset.epoch = epoch
+        self.train.generator.manual_seed(derived_seed(self.seed, epoch, self.rank))  # worker seeds: unused by ours
+        return self.train.sampler.set_epoch(epoch, images_done, limit)
 
     def train_steps(self, limit: int = 0) -> int:
         """Training steps per epoch, at most `limit` when it is set."""
-        return min(limit, len(self.train)) if limit else len(self.train)
+        return self.train.sampler.steps_per_epoch(limit)
+
+    @property
+    def global_batch(self) -> int:
+        return self.train.sampler.global_batch
 
     def summary(self) -> str:
         kind = "synthetic" if isinstance(self.train.dataset, SyntheticImages) else "images"
@@ -232,7 +313,8 @@ def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[s
     root = Path(cfg.data)
     classes, train_samples = scan_split(root / "train")
     _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
-    train = ImageFolderDataset(train_samples, train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip))
+    train = ImageFolderDataset(train_samples, train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip),
+                               augmentation_seed=cfg.seed)
     val = ImageFolderDataset(val_samples, val_transform(cfg.image_size, cfg.val_resize))
     return train, val, classes
 
@@ -242,18 +324,18 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     A process's batch is -b per replica it drives (its GPUs, under nn.DataParallel)."""
     batch_size = cfg.batch_size * ctx.replicas_per_process
     train_set, val_set, classes = build_datasets(cfg, ctx.replicas)
-    train_sampler = DistributedSampler(train_set, num_replicas=ctx.world_size, rank=ctx.rank,
-                                       shuffle=True, seed=cfg.seed)
-    if len(train_sampler) < batch_size:
-        raise UsageError(f"argument -b/--batch-size: {batch_size} per process is more than the "
-                         f"{len(train_sampler)} training images per process; lower it")
+    train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
+    if train_sampler.steps_per_epoch() == 0:
+        processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
+        raise UsageError(f"argument -b/--batch-size: {batch_size} per process{processes} is more than the "
+                         f"{len(train_set)} training images; lower it")
     pin_memory = ctx.device.type == "cuda"
     # Workers die with their training process, even if it is killed with SIGKILL.
     worker_init_fn = data_loader_worker_init if cfg.workers else None
     train = DataLoader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
         pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-        # A partial last batch would skew BatchNorm statistics (and fails outright with one image).
+        # The sampler yields whole batches only: a partial one would skew BatchNorm statistics.
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )

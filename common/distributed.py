@@ -27,19 +27,19 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from common.cli import Config, UsageError, error_summary, program, report
+from common.cli import STOPPED_EXIT_STATUS, Config, UsageError, error_summary, program, report
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
-PER_RANK_SEED_STRIDE = 1_000_003  # each epoch, rank r's random streams start from a seed r x this apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,9 @@ class Context:
     backend: Optional[str] = None  # process-group backend (nccl / gloo); None without one
     replicas_per_process: int = 1  # model replicas one process drives: its GPUs under nn.DataParallel
     launcher: str = "single process"  # how the processes were started, for config.json
+    # A gloo group for the small host-side decisions (common.preemption): with NCCL they would
+    # otherwise need a GPU tensor and a device sync. None: the default group.
+    control_group: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_primary(self) -> bool:
@@ -329,9 +332,35 @@ def _die_with_parent() -> None:
 
 def data_loader_worker_init(worker_id: int) -> None:
     """DataLoader worker_init_fn: data-loading processes die with their
-    trainer, and say nothing when it stops in the middle of a transfer."""
+    trainer, say nothing when it stops in the middle of a transfer, and
+    leave stop signals to it: Slurm signals every process of a job step, and
+    a data-loading worker that died of one would end the trainer with an
+    error before it could write its checkpoint."""
     _die_with_parent()
     sys.excepthook = _silent_when_the_trainer_is_gone
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # SIGTERM still has to end the worker when the trainer sends it (DataLoader and multiprocessing
+    # stop workers that way), so it cannot simply be ignored: it is blocked, and a thread takes each
+    # one and looks at its sender.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_exit_on_sigterm_from_parent, daemon=True, name="sigterm-from-parent").start()
+
+
+def _exit_on_sigterm_from_parent() -> None:
+    parent = os.getppid()
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent:
+            os._exit(0)
+
+
+def ignore_stop_signals_until_training() -> None:
+    """SIGUSR1 and SIGUSR2 end a process by default: until training installs
+    its handlers (common.preemption.StopControl), a preemption warning that
+    arrives during start-up is ignored instead of killing the process."""
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _silent_when_the_trainer_is_gone(kind, value, traceback) -> None:
@@ -372,7 +401,9 @@ class RendezvousError(UsageError):
 
 
 def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) -> Context:
-    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank:
+    # srun --gpus-per-task=1 shows each task its own one GPU: cuda:0 in every process.
+    own_gpu_per_task = launch.launcher == "slurm" and torch.cuda.device_count() == 1
+    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank and not own_gpu_per_task:
         raise RendezvousError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} are "
                               f"visible on this node; start one process per GPU")
     device = select_device(cfg.device, local_rank)
@@ -391,8 +422,10 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
             f"could not join the process group of {launch.world_size} processes at {launch.init_method} "
             f"within --dist-timeout {cfg.dist_timeout:g} s ({error_summary(error)}); check that every node runs "
             f"with the same --dist-url and --world-size, its own --rank, and can reach node 0") from None
+    control_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+                     if backend != "gloo" else None)
     return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
-                   launcher=launch.launcher)
+                   launcher=launch.launcher, control_group=control_group)
 
 
 def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int) -> None:
@@ -407,9 +440,11 @@ def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: L
 
 def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
     _die_with_parent()
-    # The launcher stops workers with SIGTERM: unwind as for Ctrl-C, so data-loading processes and
-    # their shared-memory queues are cleaned up (SIGKILL follows if this takes too long).
+    # Until training starts (and asks for a clean stop instead), SIGTERM unwinds as for Ctrl-C, so
+    # data-loading processes and their shared-memory queues are cleaned up (SIGKILL follows if this
+    # takes too long).
     signal.signal(signal.SIGTERM, _interrupt)
+    ignore_stop_signals_until_training()
     try:
         _run_worker(train, cfg, launch, local_rank)
     except UsageError as error:
@@ -459,12 +494,21 @@ def _interrupt(signum, frame):
 
 def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
     """Start this node's workers and wait for them. The first failure stops
-    the rest (after a moment to exit on their own) and sets the exit status."""
+    the rest (after a moment to exit on their own) and sets the exit status.
+    Stop signals (SIGTERM, --preempt-signal) are passed on to the workers,
+    which stop cleanly together; Ctrl-C stops them at once."""
     spawn = multiprocessing.get_context("spawn")  # fork would copy a CUDA-initialised parent
     workers = [spawn.Process(target=_spawned_worker, args=(local_rank, train, cfg, launch),
                              name=f"rank{launch.rank_of(local_rank)}")
                for local_rank in range(launch.procs_per_node)]
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)  # scancel and kill: stop the workers too
+
+    def pass_on(signum, frame):
+        for worker in workers:
+            if worker.pid is not None and worker.exitcode is None:
+                os.kill(worker.pid, signum)
+
+    stop_signals = {signal.SIGTERM, signal.Signals[cfg.preempt_signal]}
+    previous = {signum: signal.signal(signum, pass_on) for signum in stop_signals}
     try:
         for worker in workers:
             worker.start()
@@ -473,24 +517,30 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
         _stop(workers)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _watch(workers) -> None:
-    """Wait until every worker has exited with status 0, or report the first
-    failure (which stops the others and exits)."""
+    """Wait until every worker has exited with status 0 (or all stopped
+    cleanly on a signal: then exit with STOPPED_EXIT_STATUS), or report the
+    first failure (which stops the others and exits)."""
     running = list(workers)
+    stopped = False
     while running:
         multiprocessing.connection.wait([worker.sentinel for worker in running])
         # Read each exit code once: a read as None (not yet reaped) and then as 2 by a second read
         # would drop a failed worker without reporting it, and the job would exit 0.
         exit_codes = [(worker, worker.exitcode) for worker in running]
-        failed = [(worker, code) for worker, code in exit_codes if code not in (None, 0)]
+        stopped = stopped or any(code == STOPPED_EXIT_STATUS for _, code in exit_codes)
+        failed = [(worker, code) for worker, code in exit_codes if code not in (None, 0, STOPPED_EXIT_STATUS)]
         running = [worker for worker, code in exit_codes if code is None]
         if failed:
             # Of workers that ended together, name the cause: one killed by a signal (its peers then
             # fail on the broken connection) before one that exited with an error status.
             _report_failure(min(failed, key=lambda pair: pair[1] >= 0)[0], running)
+    if stopped:
+        sys.exit(STOPPED_EXIT_STATUS)
 
 
 def _report_failure(failed, running) -> None:

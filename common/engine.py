@@ -4,14 +4,22 @@ The entry scripts differ only in how the model is wrapped and how the
 processes find each other; everything here runs unchanged for one device,
 DataParallel and DDP. Metrics stay on the device as sums during an epoch;
 the host reads them only at print intervals and once per epoch.
+
+Before each training step every process asks common.preemption.StopControl
+what to do; the answer is the same on all of them: go on, write a
+checkpoint here (--checkpoint-every), or write one and stop (a signal).
+Randomness is a function of the position only (the data's per image, see
+common.data; dropout's per step, reseeded here), so training resumed from a
+checkpoint at step S of epoch E is the same as training that never stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
 import math
 import random
 import time
+from pathlib import Path
 from typing import Optional, Tuple
 
 import numpy as np
@@ -19,11 +27,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common import checkpoint
+from common import checkpoint, preemption
 from common.checkpoint import ResumePoint
-from common.data import Loaders
+from common.data import Loaders, derived_seed
 from common.distributed import Context, broadcast_buffers_from_primary
-from common.meters import ClassReport, EpochMetrics, MetricSums
+from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
+from common.preemption import Decision, StopControl, TrainingStopped
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog, StepTimer
 
@@ -31,8 +40,8 @@ from common.telemetry import RunLog, StepTimer
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and every GPU): initialisation is a
     function of the seed (DDP copies rank 0's weights to every process);
-    each epoch's order and randomness are reseeded from (seed, epoch, rank)
-    by Loaders.set_epoch."""
+    during training the data's randomness is seeded per image (common.data)
+    and the model's (dropout) per step (Trainer)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -44,6 +53,33 @@ class FitResult:
     seconds: float  # wall time of this call, validation and checkpoints included
     best_acc1: float
     best_epoch: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What a checkpoint records about the run besides the training state."""
+
+    arch: str
+    config: dict
+    global_batch: int
+    lr: float  # the peak rate after linear scaling
+    seed: int
+    keep_checkpoints: int = 3
+
+    @staticmethod
+    def of(cfg, global_batch: int, lr: float) -> "RunFacts":
+        return RunFacts(arch=cfg.arch, config=cfg.to_dict(), global_batch=global_batch, lr=lr, seed=cfg.seed,
+                        keep_checkpoints=cfg.keep_checkpoints)
+
+
+class _Stop(Exception):
+    """Unwinds from the training loop to fit() once the stop's checkpoint is written."""
+
+    def __init__(self, decision: Decision, path: Optional[Path], where: str):
+        super().__init__(decision.signal_name)
+        self.decision = decision
+        self.path = path
+        self.where = where  # "epoch E step S/N": where every process stopped
 
 
 @dataclasses.dataclass
@@ -59,6 +95,14 @@ class Trainer:
     channels_last: bool = False
     steps_per_epoch: int = 0  # 0: whole epochs
     warmup_steps: int = 10  # first steps of each split left out of the throughput figures
+    control: Optional[StopControl] = None  # None: no signals handled, no periodic checkpoints
+    # Set by fit(): what checkpoints record besides the training state, and where the last one is.
+    _facts: Optional[RunFacts] = dataclasses.field(default=None, init=False)
+    _classes: list = dataclasses.field(default_factory=list, init=False)
+    _best_acc1: float = dataclasses.field(default=float("-inf"), init=False)
+    _best_epoch: Optional[int] = dataclasses.field(default=None, init=False)
+    _steps_since_checkpoint: int = dataclasses.field(default=0, init=False)
+    _last_checkpoint: Optional[Path] = dataclasses.field(default=None, init=False)
 
     def _to_device(self, images: torch.Tensor, target: torch.Tensor):
         images = images.to(self.ctx.device, non_blocking=True)
@@ -69,16 +113,33 @@ class Trainer:
     def _should_print(self, step: int, steps: int) -> bool:
         return self.log.is_primary and ((step + 1) % self.print_freq == 0 or step + 1 == steps)
 
-    def train_one_epoch(self, loaders: Loaders, epoch: int) -> EpochMetrics:
+    def train_one_epoch(self, loaders: Loaders, epoch: int, start: Optional[ResumePoint] = None) -> EpochMetrics:
+        """Train one epoch, or the rest of it after the mid-epoch checkpoint `start`."""
         self.model.train()
-        steps = loaders.train_steps(self.steps_per_epoch)
+        images_done = start.images_done if start is not None else 0
+        step_numbers = loaders.set_epoch(epoch, images_done, self.steps_per_epoch)
+        steps = step_numbers.stop
+        before = _PartialEpoch.from_dict(start.partial_epoch if start is not None else None)
         sums = MetricSums(self.ctx.device)
-        progress = self.log.progress_meter("train", epoch, steps)
-        timer = StepTimer(steps, self.warmup_steps, self.ctx.devices)
+        progress = self.log.progress_meter("train", epoch, steps, first_step=step_numbers.start)
+        timer = StepTimer(len(step_numbers), self.warmup_steps, self.ctx.devices)
+        batches = iter(loaders.train)
         lr = None
-        for step, (images, target, file_bytes) in enumerate(itertools.islice(loaders.train, steps)):
+        for step in step_numbers:
+            decision = self.control.step(epoch * steps + step) if self.control is not None else Decision()
+            if decision.checkpoint or decision.stop:
+                with timer.paused():
+                    partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx))
+                    path = self._save_mid_epoch(epoch, step, images_done + (step - step_numbers.start) *
+                                                loaders.global_batch, partial, steps, stopping=decision.stop)
+                if decision.stop:
+                    raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}")
+            images, target, file_bytes = next(batches)
             timer.batch_ready()
             images, target = self._to_device(images, target)
+            # Dropout (and any other randomness in the model) draws from a seed of this step: the same
+            # in a run resumed here as in one that never stopped.
+            torch.manual_seed(derived_seed(loaders.seed, epoch, step, self.ctx.rank))
             lr = self.schedule.lr(epoch, step, steps)
             set_lr(self.optimizer, lr)
             with self.precision.autocast():
@@ -86,14 +147,44 @@ class Trainer:
                 loss = self.criterion(logits, target)
             self.precision.backward_and_step(loss, self.optimizer)
             sums.add(loss, logits, target, file_bytes=int(file_bytes.sum()), timed=timer.timing)
+            self._steps_since_checkpoint += 1
             if self._should_print(step, steps):  # the one host sync per interval
                 status = self.precision.status()
                 progress.show(step, sums.totals(), timer, lr, status)
                 self.log.explain_skipped_steps(status)
             timer.step_done()
-        totals = sums.totals(self.ctx)  # summed over processes
-        return EpochMetrics.from_totals(epoch, "train", totals, timer.finish(self.ctx), self.ctx.replicas, lr,
-                                        time.time(), self.precision.status())
+        totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
+        timing = timer.finish(self.ctx, before.timing)
+        return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
+                                        self.precision.status())
+
+    def _save_mid_epoch(self, epoch: int, step: int, images_done: int, partial: "_PartialEpoch", steps: int,
+                        stopping: bool) -> Optional[Path]:
+        """The checkpoint at step `step` of `epoch` (primary only): its path,
+        or the previous one's when no step has run since (a stop right after a
+        checkpoint)."""
+        if self._steps_since_checkpoint == 0 and self._last_checkpoint is not None:
+            return self._last_checkpoint
+        path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
+        if path is not None and not stopping:
+            self.log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
+        return path
+
+    def _save(self, epoch: int, step: int, images_done: int, partial_epoch: Optional[dict],
+              is_best: bool) -> Optional[Path]:
+        self._steps_since_checkpoint = 0
+        if not self.log.is_primary:
+            self._last_checkpoint = Path("(written by the primary process)")
+            return None
+        facts = self._facts
+        state = checkpoint.training_state(
+            model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(), epoch=epoch,
+            step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self._best_acc1,
+            best_epoch=self._best_epoch, arch=facts.arch, classes=self._classes, config=facts.config,
+            world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
+        )
+        self._last_checkpoint = checkpoint.save(state, self.log.run_dir, is_best, keep=facts.keep_checkpoints)
+        return self._last_checkpoint
 
     @torch.no_grad()
     def validate(self, loaders: Loaders, epoch: int) -> Tuple[EpochMetrics, ClassReport]:
@@ -130,37 +221,87 @@ class Trainer:
                                            time.time(), macro_f1=report.macro_f1)
         return metrics, report
 
-    def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, *, arch: str, config: dict,
+    def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, facts: RunFacts,
             desired_acc: Optional[float] = None) -> FitResult:
-        """Train and validate epochs start.start_epoch .. epochs-1; after each,
-        log the metrics and save a checkpoint (primary process only). Stops
-        early once validation top-1 reaches `desired_acc` (percent)."""
-        best_acc1, best_epoch = start.best_acc1, start.best_epoch
+        """Train and validate epochs start.start_epoch .. epochs-1 (the first
+        from start's step on); after each, log the metrics and save a
+        checkpoint (primary process only). Stops early once validation top-1
+        reaches `desired_acc` (percent); on a stop signal, stops at a step all
+        processes agree on, after a checkpoint there, and raises
+        TrainingStopped (after `scontrol requeue` when it asks for one)."""
+        self._facts, self._classes = facts, loaders.classes
+        self._best_acc1, self._best_epoch = start.best_acc1, start.best_epoch
+        self._steps_since_checkpoint, self._last_checkpoint = 0, Path(start.path) if start.path else None
         fit_start = time.perf_counter()
         epochs_run = 0
         if start.start_epoch >= epochs:
             self.log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
-        for epoch in range(start.start_epoch, epochs):
-            loaders.set_epoch(epoch)
-            train = self.train_one_epoch(loaders, epoch)
-            val, report = self.validate(loaders, epoch)
-            epochs_run += 1
-            is_best = val.top1 > best_acc1
-            if is_best:
-                best_acc1, best_epoch = val.top1, epoch
-            self.log.epoch_end(train, val, report, loaders.classes, best_acc1, best_epoch)
-            if self.log.is_primary:
-                state = checkpoint.training_state(
-                    model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(),
-                    next_epoch=epoch + 1, best_acc1=best_acc1, best_epoch=best_epoch, arch=arch,
-                    classes=loaders.classes, config=config,
-                )
-                checkpoint.save(state, self.log.run_dir, is_best)
-            if desired_acc is not None and val.top1 >= desired_acc:
-                self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
-                              f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
-                break
-        result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start, best_acc1=best_acc1,
-                           best_epoch=best_epoch)
+        try:
+            with self.control if self.control is not None else contextlib.nullcontext():
+                for epoch in range(start.start_epoch, epochs):
+                    train = self.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
+                    val, report = self.validate(loaders, epoch)
+                    epochs_run += 1
+                    is_best = val.top1 > self._best_acc1
+                    if is_best:
+                        self._best_acc1, self._best_epoch = val.top1, epoch
+                    self.log.epoch_end(train, val, report, loaders.classes, self._best_acc1, self._best_epoch)
+                    path = self._save(epoch + 1, 0, 0, None, is_best)
+                    if desired_acc is not None and val.top1 >= desired_acc:
+                        self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
+                                      f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
+                        break
+                    decision = self.control.now() if self.control is not None else Decision()
+                    if decision.stop and epoch + 1 < epochs:
+                        raise _Stop(decision, path, f"the end of epoch {epoch}")
+        except _Stop as stop:
+            self._stopped(stop, fit_start, epochs_run)
+        result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
+                           best_acc1=self._best_acc1, best_epoch=self._best_epoch)
         self.log.finish(result)
         return result
+
+    def _stopped(self, stop: _Stop, fit_start: float, epochs_run: int) -> None:
+        """After a stop's checkpoint: close the logs, requeue the Slurm job
+        when the signal asks for it, and exit with STOPPED_EXIT_STATUS."""
+        decision = stop.decision
+        self.log.info(f"stopping at {stop.where} on {decision.signal_name} (every process at this step): "
+                      f"checkpoint saved to {stop.path}")
+        self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
+                                  best_acc1=self._best_acc1, best_epoch=self._best_epoch), stopped=True)
+        if (self.log.is_primary and decision.requeue and self.control is not None
+                and preemption.should_requeue(self.control.requeue)):
+            preemption.requeue_slurm_job(self.log)
+        # Everyone leaves together, after the primary's checkpoint and requeue: a launcher that stops the
+        # job at a process's exit (srun --kill-on-bad-exit, torchrun) must not cut the checkpoint short.
+        if self.control is not None:
+            self.control.barrier()
+        raise TrainingStopped(decision.signal_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartialEpoch:
+    """The training split's sums and timing over all processes, up to a
+    mid-epoch checkpoint: the resumed epoch adds its own, so its metrics row
+    counts every step once."""
+
+    totals: MetricTotals = MetricTotals(loss_sum=0.0, top1_correct=0, top5_correct=0, count=0)
+    timing: SplitTiming = SplitTiming(steps=0, warmup_steps=0, seconds=0.0, timed_seconds=0.0, data_wait_seconds=0.0,
+                                      all_timed_seconds=0.0)
+
+    @staticmethod
+    def measure(sums: MetricSums, timer: StepTimer, ctx: Context) -> "_PartialEpoch":
+        """This part's figures (a collective: every process calls it at the same step)."""
+        return _PartialEpoch(totals=sums.totals(ctx), timing=timer.finish(ctx))
+
+    def plus(self, other: "_PartialEpoch") -> "_PartialEpoch":
+        return _PartialEpoch(totals=self.totals.plus(other.totals), timing=self.timing.plus(other.timing))
+
+    def to_dict(self) -> dict:
+        return {"totals": dataclasses.asdict(self.totals), "timing": dataclasses.asdict(self.timing)}
+
+    @staticmethod
+    def from_dict(saved: Optional[dict]) -> "_PartialEpoch":
+        if not saved:
+            return _PartialEpoch()
+        return _PartialEpoch(totals=MetricTotals(**saved["totals"]), timing=SplitTiming(**saved["timing"]))

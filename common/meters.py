@@ -7,6 +7,7 @@ whatever the world size: never an average of per-process averages.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -118,6 +119,11 @@ class MetricTotals:
     def loss(self) -> float:
         return self.loss_sum / self.count if self.count else float("nan")
 
+    def plus(self, other: "MetricTotals") -> "MetricTotals":
+        """Two parts of one split (before and after a resume) as one."""
+        return MetricTotals(**{field.name: getattr(self, field.name) + getattr(other, field.name)
+                               for field in dataclasses.fields(self)})
+
     @property
     def top1(self) -> float:
         """Percent."""
@@ -185,10 +191,25 @@ class SplitTiming:
 
     steps: int
     warmup_steps: int  # the first steps, left out of the rates below
-    seconds: float  # wall time of the whole split
+    seconds: float  # wall time of the whole split (checkpoint writing left out)
     timed_seconds: float  # wall time of the steps after the warm-up
-    data_wait_fraction: float  # share of the timed wall time spent waiting for the next batch, all processes
+    data_wait_seconds: float  # waiting for the next batch after the warm-up, all processes summed
+    all_timed_seconds: float  # timed_seconds of all processes summed
     peak_memory_mib: Optional[float] = None
+
+    @property
+    def data_wait_fraction(self) -> float:
+        """Share of the timed wall time spent waiting for the next batch, all processes."""
+        return self.data_wait_seconds / self.all_timed_seconds if self.all_timed_seconds > 0 else math.nan
+
+    def plus(self, other: "SplitTiming") -> "SplitTiming":
+        """Two parts of one split (before and after a resume) as one."""
+        peaks = [peak for peak in (self.peak_memory_mib, other.peak_memory_mib) if peak is not None]
+        return SplitTiming(steps=self.steps + other.steps, warmup_steps=self.warmup_steps + other.warmup_steps,
+                           seconds=self.seconds + other.seconds, timed_seconds=self.timed_seconds + other.timed_seconds,
+                           data_wait_seconds=self.data_wait_seconds + other.data_wait_seconds,
+                           all_timed_seconds=self.all_timed_seconds + other.all_timed_seconds,
+                           peak_memory_mib=max(peaks) if peaks else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,12 +24,12 @@ instead, and the share is small; when the pipeline is, it is large.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import datetime
 import itertools
 import json
-import math
 import os
 import platform
 import resource
@@ -47,7 +47,8 @@ import numpy as np
 import torch
 import torchvision
 
-from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
+from common.checkpoint import (BEST_NAME, CHECKPOINT_NAME, ResumePoint, auto_run_name, kept_checkpoints,
+                               position_of)
 from common.cli import Config, UsageError
 from common.distributed import Context, all_reduce_max, all_reduce_sum, broadcast_from_primary, gather_to_primary
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
@@ -128,21 +129,35 @@ class StepTimer:
             self.timed_start = time.perf_counter()
         self.step_end = time.perf_counter()
 
-    def finish(self, ctx: Context) -> SplitTiming:
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what happens meanwhile (writing a checkpoint) out of every figure."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            pause = time.perf_counter() - paused_at
+            self.start += pause
+            self.timed_start += pause
+            self.step_end += pause
+
+    def finish(self, ctx: Context, before: Optional[SplitTiming] = None) -> SplitTiming:
         """The split's timing; call after the epoch's metrics are reduced (which
         waits for the device and the slowest process). A collective: the peak
         memory is the maximum over processes, the data-wait share is over all
-        of them (their waits summed over their timed wall times)."""
+        of them (their waits summed over their timed wall times). `before`:
+        the same split's timing up to a mid-epoch checkpoint this run resumed
+        from, which the result includes (each part left out its own warm-up)."""
         now = time.perf_counter()
-        timed_seconds = now - self.timed_start
+        timed_seconds = now - self.timed_start if self.timing else 0.0  # nothing is timed before the warm-up ends
         peak = all_reduce_max(torch.tensor([peak_memory_mib(self.devices)], device=ctx.device), ctx).item()
         # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
         waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
         wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
-        return SplitTiming(steps=self.completed, warmup_steps=self.warmup_steps, seconds=now - self.start,
-                           timed_seconds=timed_seconds,
-                           data_wait_fraction=wait_seconds / all_timed_seconds if all_timed_seconds > 0 else math.nan,
-                           peak_memory_mib=peak)
+        timing = SplitTiming(steps=self.completed, warmup_steps=self.warmup_steps, seconds=now - self.start,
+                             timed_seconds=timed_seconds, data_wait_seconds=wait_seconds,
+                             all_timed_seconds=all_timed_seconds, peak_memory_mib=peak)
+        return timing.plus(before) if before is not None else timing
 
 
 class DiskCounters(NamedTuple):
@@ -350,6 +365,15 @@ def _run_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
     directory: --resume continues in the checkpoint's own run directory; a
     new run always gets a directory of its own."""
     logdir = Path(cfg.logdir)
+    if cfg.resume == "auto":  # the same directory every time the job starts (see checkpoint.auto_run_name)
+        run_dir = logdir / auto_run_name(cfg)
+        if (run_dir / "config.json").is_file():
+            return run_dir, True
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"argument --logdir: cannot create {run_dir} ({error.strerror})") from None
+        return run_dir, False
     resumed = Path(cfg.resume).resolve().parent if cfg.resume else None
     if resumed is not None and cfg.run_name is None and (resumed / "config.json").is_file():
         return resumed, True
@@ -428,14 +452,15 @@ class ProgressMeter:
     says so."""
 
     def __init__(self, split: str, epoch: int, steps: int, world_size: int, replicas: int, per_replica: str,
-                 writer=None):
+                 writer=None, first_step: int = 0):
         self.split, self.epoch, self.steps, self.world_size, self.replicas = split, epoch, steps, world_size, replicas
         self.per_replica = per_replica  # "per GPU", or "per process" on the CPU
         self.writer = writer
         self.width = len(str(steps))
+        self.first_step = first_step  # after a mid-epoch resume, the steps before it ran in an earlier process
         self.last_time = time.perf_counter()
         self.last_count = 0
-        self.last_step = 0
+        self.last_step = first_step
         self.last_data_wait_seconds = 0.0
 
     def show(self, step: int, running: MetricTotals, timer: StepTimer, lr: Optional[float],
@@ -445,7 +470,7 @@ class ProgressMeter:
         images_per_second = (running.count - self.last_count) * self.world_size / interval_seconds
         seconds_per_step = interval_seconds / max(step + 1 - self.last_step, 1)
         data_wait_share = (timer.all_data_wait_seconds - self.last_data_wait_seconds) / interval_seconds
-        warmup = self.last_step < timer.warmup_steps
+        warmup = self.last_step - self.first_step < timer.warmup_steps
         self.last_time, self.last_count, self.last_step = now, running.count, step + 1
         self.last_data_wait_seconds = timer.all_data_wait_seconds
         line = (f"{self.split:5s} epoch {self.epoch} [{step + 1:{self.width}d}/{self.steps}]  "
@@ -499,13 +524,13 @@ class RunLog:
                   f"{precision_status['loss_scale']:g}), and now and then after it grows. Steps skipped in a "
                   f"row, or a scale that keeps falling, are not.")
 
-    def progress_meter(self, split: str, epoch: int, steps: int):
+    def progress_meter(self, split: str, epoch: int, steps: int, first_step: int = 0):
         if not self.is_primary:
             return _SilentProgress()
         return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._per_replica,
-                             self._step_writer if split == "train" else None)
+                             self._step_writer if split == "train" else None, first_step)
 
-    def start_run(self, cfg: Config, start_epoch: int, resolved: dict) -> Optional[Path]:
+    def start_run(self, cfg: Config, start: ResumePoint, resolved: dict) -> Optional[Path]:
         """Create (or, on --resume, reopen) the run directory and record the
         run's configuration. Returns the directory (None off the primary).
         Every process calls it: the primary's failure (say, --run-name taken)
@@ -526,7 +551,9 @@ class RunLog:
         record = {
             "command": shlex.join([sys.executable] + sys.argv),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "start_epoch": start_epoch,
+            "start_epoch": start.start_epoch,
+            "start_step": start.step,
+            "resumed_from": start.path,
             "options": cfg.to_dict(),
             "resolved": resolved,
             "environment": environment(self.ctx),
@@ -534,19 +561,19 @@ class RunLog:
         if resuming:
             with open(run_dir / "resumes.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-            self._set_aside_later_epochs(start_epoch)
+            self._set_aside_later_epochs(start)
         else:
             with open(run_dir / "config.json", "w") as handle:
                 json.dump(record, handle, indent=2)
                 handle.write("\n")
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
 
-        # purge_step hides events of epochs that are now being redone; TensorBoard steps are 1-based epochs
-        # here, and steps completed in steps/ (its own event file, as purging is per file).
-        self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start_epoch + 1 if resuming else None)
+        # purge_step hides events of epochs (and steps) that are now being redone; TensorBoard steps are
+        # 1-based epochs here, and steps completed in steps/ (its own event file, as purging is per file).
+        self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start.start_epoch + 1 if resuming else None)
         steps_per_epoch = resolved.get("steps_per_epoch", 0)
-        self._step_writer = SummaryWriter(log_dir=str(run_dir / "steps"),
-                                          purge_step=start_epoch * steps_per_epoch + 1 if resuming else None)
+        first_step = start.start_epoch * steps_per_epoch + start.step + 1
+        self._step_writer = SummaryWriter(log_dir=str(run_dir / "steps"), purge_step=first_step if resuming else None)
         return run_dir
 
     def _start_io_sampler(self, cfg: Config) -> None:
@@ -570,34 +597,46 @@ class RunLog:
             return
         _append_rows(self.run_dir / "io.csv", IO_COLUMNS, gathered)
 
-    def _set_aside_later_epochs(self, start_epoch: int) -> None:
-        """Resuming from an earlier epoch than the run directory reached (say,
-        from model_best.pth.tar): the epochs from `start_epoch` on run again.
-        Their metrics rows and the newer checkpoints are kept in
-        before-resume-<time>/ first, then metrics.csv keeps the earlier rows."""
+    def _set_aside_later_epochs(self, start: ResumePoint) -> None:
+        """Resuming from an earlier position than the run directory reached
+        (say, from model_best.pth.tar, or from the previous checkpoint when the
+        newest is damaged): what comes after it runs again. Its metrics rows
+        and the newer checkpoints are kept in before-resume-<time>/ first
+        (the newer checkpoint files are moved there, so that checkpoint
+        rotation, which keeps the newest, cannot prefer them to this run's),
+        then metrics.csv keeps the earlier rows."""
         path = self.run_dir / "metrics.csv"
-        if not path.is_file():
-            return
-        with open(path, newline="") as handle:
-            rows = list(csv.DictReader(handle))
-        kept = [row for row in rows if int(row["epoch"]) < start_epoch]
-        if len(kept) == len(rows):
+        rows = []
+        if path.is_file():
+            with open(path, newline="") as handle:
+                rows = list(csv.DictReader(handle))
+        kept = [row for row in rows if int(row["epoch"]) < start.start_epoch]
+        later_checkpoints = [checkpoint for checkpoint in kept_checkpoints(self.run_dir)
+                             if position_of(checkpoint) > (start.start_epoch, start.step)]
+        if len(kept) == len(rows) and not later_checkpoints:
             return
         backup = self.run_dir / f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        backup.mkdir()
+        backup.mkdir(exist_ok=True)
         for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
                      "confusion_matrix.npy", "confusion_matrix_best.npy"):
             if (self.run_dir / name).is_file():
                 _preserve(self.run_dir / name, backup / name)
-        # A new file renamed over metrics.csv: later appends must not reach the preserved copy.
-        temporary = path.with_name(".metrics.csv.tmp")
-        with open(temporary, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
-            writer.writeheader()
-            writer.writerows(kept)
-        os.replace(temporary, path)
-        self.info(f"resuming at epoch {start_epoch}, before the {len(rows) - len(kept)} later metrics rows of "
-                  f"{self.run_dir.name}: they and the newer checkpoints are kept in {backup}")
+        newest = self.run_dir / CHECKPOINT_NAME
+        for checkpoint in later_checkpoints:
+            if newest.is_file() and os.path.samefile(newest, checkpoint):
+                newest.unlink()  # it is one of them (kept in the backup): the next save makes it anew
+            os.replace(checkpoint, backup / checkpoint.name)
+        if len(kept) != len(rows):
+            # A new file renamed over metrics.csv: later appends must not reach the preserved copy.
+            temporary = path.with_name(".metrics.csv.tmp")
+            with open(temporary, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(temporary, path)
+        self.info(f"resuming at epoch {start.start_epoch} step {start.step}, before {len(rows) - len(kept)} later "
+                  f"metrics rows and {len(later_checkpoints)} later checkpoints of {self.run_dir.name}: they are "
+                  f"kept in {backup}")
 
     def log_metrics(self, metrics: EpochMetrics) -> None:
         """Append one row to metrics.csv and the split's TensorBoard scalars."""
@@ -648,9 +687,10 @@ class RunLog:
             self.info(f"per-class report: {folder / 'val_report.csv'} (confusion counts: "
                       f"{folder / 'confusion_matrix.npy'})")
 
-    def finish(self, result) -> None:
+    def finish(self, result, stopped: bool = False) -> None:
         """The closing lines: how long, how good, and where everything is.
-        Every process calls it (the last I/O samples are gathered)."""
+        Every process calls it (the last I/O samples are gathered). `stopped`:
+        the run stops before its last epoch (a signal), to be continued."""
         if self._io_sampler is not None:
             self._io_sampler.stop()
         self._write_io_samples()
@@ -659,11 +699,14 @@ class RunLog:
                 writer.close()
         if not self.is_primary or self.run_dir is None:
             return
-        self.info(f"finished {result.epochs_run} epochs in {_format_duration(result.seconds)} "
-                  f"({result.seconds:.1f} s); best val top-1 {result.best_acc1:.2f}% at epoch {result.best_epoch}")
+        done = "stopped after" if stopped else "finished"
+        best = (f"; best val top-1 {result.best_acc1:.2f}% at epoch {result.best_epoch}"
+                if result.best_epoch is not None else "")
+        self.info(f"{done} {result.epochs_run} epochs in {_format_duration(result.seconds)} ({result.seconds:.1f} s)"
+                  f"{best}")
         self.info(f"run directory: {self.run_dir}\n"
                   f"  metrics:     {self.run_dir / 'metrics.csv'}\n"
                   f"  config:      {self.run_dir / 'config.json'}\n"
                   f"  per class:   {self.run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n"
-                  f"  checkpoints: {self.run_dir / CHECKPOINT_NAME} (best: model_best.pth.tar)\n"
+                  f"  checkpoints: {self.run_dir / CHECKPOINT_NAME} (the newest; best: model_best.pth.tar)\n"
                   f"  TensorBoard: tensorboard --logdir {self.run_dir.parent}")

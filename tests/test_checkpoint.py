@@ -6,7 +6,8 @@ import torch
 import torchvision
 
 from common import checkpoint
-from common.cli import UsageError
+from common.cli import UsageError, parse
+from common.distributed import single_process
 
 
 class RunsCode:
@@ -33,7 +34,62 @@ def test_save_is_atomic_and_keeps_the_best(tmp_path):
     checkpoint.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, tmp_path, is_best=False)
     assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 2
     assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.CHECKPOINT_NAME, checkpoint.BEST_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-epoch001-step000000.pth.tar", "checkpoint-epoch002-step000000.pth.tar",
+        checkpoint.CHECKPOINT_NAME, checkpoint.BEST_NAME]
+    # The newest is the same file as checkpoint.pth.tar, not a second copy.
+    assert os.path.samefile(tmp_path / checkpoint.CHECKPOINT_NAME, tmp_path / "checkpoint-epoch002-step000000.pth.tar")
+
+
+def test_rotation_keeps_the_newest_k_by_position_and_the_best(tmp_path):
+    positions = [(0, 4), (0, 8), (1, 0), (1, 4), (2, 0)]
+    for epoch, step in positions:
+        checkpoint.save({"state_dict": {}, "epoch": epoch, "step": step}, tmp_path, is_best=(epoch, step) == (1, 0),
+                        keep=2)
+    assert [path.name for path in checkpoint.kept_checkpoints(tmp_path)] == [
+        "checkpoint-epoch002-step000000.pth.tar", "checkpoint-epoch001-step000004.pth.tar"]
+    assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1  # its own file outlives rotation
+    assert checkpoint.position_of(tmp_path / "checkpoint-epoch001-step000004.pth.tar") == (1, 4)
+    assert checkpoint.position_of(tmp_path / checkpoint.CHECKPOINT_NAME) is None
+
+
+def _truncate(path):
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.truncate(size // 2)
+
+
+def test_newest_readable_falls_back_past_a_truncated_newest_with_a_warning(tmp_path):
+    for step in (2, 4, 6):
+        checkpoint.save({"state_dict": {"w": torch.full((3,), float(step))}, "epoch": 0, "step": step}, tmp_path,
+                        is_best=False)
+    _truncate(tmp_path / checkpoint.CHECKPOINT_NAME)  # the same file as step 6's
+    path, warnings = checkpoint.newest_readable(tmp_path)
+    assert path == tmp_path / "checkpoint-epoch000-step000004.pth.tar"
+    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / checkpoint.CHECKPOINT_NAME} is not a readable")
+    for kept in checkpoint.kept_checkpoints(tmp_path):
+        _truncate(kept)
+    path, warnings = checkpoint.newest_readable(tmp_path)
+    assert path is None and len(warnings) == 3  # checkpoint.pth.tar and the two others, each read once
+    (tmp_path / "empty").mkdir()
+    assert checkpoint.newest_readable(tmp_path / "empty") == (None, [])
+
+
+@pytest.mark.parametrize("run_name, environ, expected", [
+    ("mine", {"SLURM_JOB_ID": "5"}, "mine"),
+    (None, {"SLURM_JOB_ID": "5"}, "slurm-5"),
+    (None, {"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "3"}, "slurm-5_3"),
+    (None, {"TORCHELASTIC_RUN_ID": "abc"}, "torchrun-abc"),
+])
+def test_auto_run_name_stays_the_same_across_restarts(run_name, environ, expected):
+    cfg = parse("nd", ["--synthetic", "--resume", "auto"] + (["--run-name", run_name] if run_name else []))
+    assert checkpoint.auto_run_name(cfg, environ) == expected
+
+
+def test_auto_without_a_stable_name_asks_for_run_name():
+    cfg = parse("nd", ["--synthetic", "--resume", "auto"])
+    with pytest.raises(UsageError, match="auto needs a run directory .* pass --run-name NAME"):
+        checkpoint.auto_run_name(cfg, {"TORCHELASTIC_RUN_ID": "none"})
 
 
 def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
@@ -46,7 +102,8 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
     with pytest.raises(RuntimeError):
         checkpoint.save({"state_dict": {}, "epoch": 2, "bad": Unpicklable()}, tmp_path, is_best=False)
     assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.CHECKPOINT_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-epoch001-step000000.pth.tar",
+                                                          checkpoint.CHECKPOINT_NAME]
 
 
 def test_pytorch_examples_style_checkpoint_loads(tmp_path):
@@ -58,8 +115,8 @@ def test_pytorch_examples_style_checkpoint_loads(tmp_path):
     torch.save({"epoch": 7, "arch": "resnet18", "state_dict": wrapped_state, "best_acc1": torch.tensor(61.5),
                 "optimizer": optimizer.state_dict()}, path)
     target = torchvision.models.resnet18(num_classes=5)
-    point = checkpoint.resume(str(path), target, torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9),
-                              _NoPolicy(), "resnet18", [f"c{i}" for i in range(5)])
+    point = _resume(path, target, torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9), "resnet18",
+                    [f"c{i}" for i in range(5)])
     assert (point.start_epoch, point.best_acc1) == (7, 61.5)
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), target.state_dict().values()))
 
@@ -83,6 +140,41 @@ class _NoPolicy:
         assert state == {}
 
 
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, message):
+        self.lines.append(message)
+
+
+def _resume(path, model, optimizer, arch, classes, extra=(), global_batch=256, lr=0.1, log=None):
+    cfg = parse("nd", ["--synthetic", "-a", arch, "--resume", str(path), *extra])
+    return checkpoint.resume(cfg, single_process("cpu"), model, optimizer, _NoPolicy(), classes, log or _Log(),
+                             global_batch=global_batch, lr=lr)
+
+
+def test_a_checkpoint_of_another_world_size_says_what_changed_and_resumes_mid_epoch(tmp_path):
+    model = torch.nn.Linear(2, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.4)
+    state = checkpoint.training_state(
+        model=model, optimizer=sgd, precision_state={}, epoch=3, step=5, images_done=5 * 1024, partial_epoch=None,
+        best_acc1=51.5, best_epoch=2, arch="resnet18", classes=["a", "b", "c"], config={}, world_size=8,
+        global_batch=1024, lr=0.4, seed=0)
+    path = checkpoint.save(state, tmp_path, is_best=False)
+    log = _Log()
+    point = _resume(path, torch.nn.Linear(2, 3), torch.optim.SGD(model.parameters(), lr=0.1), "resnet18",
+                    ["a", "b", "c"], global_batch=512, lr=0.2, log=log)
+    assert (point.start_epoch, point.step, point.images_done, point.best_epoch) == (3, 5, 5120, 2)
+    assert log.lines == [
+        f"resumed from {path} (epoch 3 after 5 steps, best top-1 51.50% at epoch 2)",
+        "the checkpoint was written by 8 replicas (global batch 1024, lr 0.4); this run has 1: global batch 512, "
+        "lr 0.2 (linear scaling); epoch 3 goes on after its first 5120 images"]
+    with pytest.raises(UsageError, match=r"argument --seed: 7 is not the seed of .* \(0\).*pass --seed 0"):
+        _resume(path, torch.nn.Linear(2, 3), torch.optim.SGD(model.parameters(), lr=0.1), "resnet18",
+                ["a", "b", "c"], extra=["--seed", "7"])
+
+
 def test_wrapper_names_inside_keys_are_dropped():
     # pytorch/examples wraps only AlexNet's features in DataParallel: features.module.0.weight
     state = {"features.module.0.weight": torch.ones(1), "module._orig_mod.fc.bias": torch.zeros(1)}
@@ -99,4 +191,4 @@ def test_optimizer_state_that_does_not_fit_is_a_usage_error(tmp_path):
                 "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, path)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(UsageError, match=r"--resume: the optimizer state in .* does not fit"):
-        checkpoint.resume(str(path), model, sgd, _NoPolicy(), "resnet18", ["a", "b", "c"])
+        _resume(path, model, sgd, "resnet18", ["a", "b", "c"])

@@ -116,22 +116,71 @@ def test_other_seed_changes_the_order(tmp_path):
 @pytest.mark.parametrize("images", [20, 21])
 def test_two_ranks_train_on_disjoint_shares_covering_the_set_with_a_new_shuffle_each_epoch(tmp_path, images):
     root = make_image_folder(tmp_path, classes=1, train_per_class=images, val_per_class=1)
-    cfg = parse("ddp", [str(root), *FAST_ARGS, "-j", "0"])
+    cfg = parse("ddp", [str(root), *FAST_ARGS, "-j", "0"])  # -b 4: global batches of 8
     ranks = [build_loaders(cfg, dataclasses.replace(CPU, rank=rank, world_size=2)) for rank in (0, 1)]
     orders = []
     for epoch in (0, 1):
         shares = []
         for loaders in ranks:
-            loaders.set_epoch(epoch)
+            assert loaders.set_epoch(epoch) == range(0, 2)
             shares.append(list(loaders.train.sampler))
-        assert len(shares[0]) == len(shares[1]) == (images + 1) // 2  # equal steps on every rank
-        assert set(shares[0]) | set(shares[1]) == set(range(images))  # together, the whole set
-        if images % 2 == 0:
-            assert not set(shares[0]) & set(shares[1])  # disjoint
-        else:  # DistributedSampler repeats one image so both ranks run as many steps
-            assert len(set(shares[0]) & set(shares[1])) == 1
+        assert len(shares[0]) == len(shares[1]) == 8  # equal steps on every rank: 2 whole global batches
+        assert not set(shares[0]) & set(shares[1])  # disjoint, no image repeated to even out the shares
+        assert len(set(shares[0]) | set(shares[1])) == 16  # the 4 or 5 left over make no whole global batch
         orders.append(shares)
     assert orders[0][0] != orders[1][0] and orders[0][1] != orders[1][1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 200), batch=st.integers(1, 9), world=st.integers(1, 5), new_world=st.integers(1, 5),
+       steps_done=st.integers(0, 30), epoch=st.integers(0, 3))
+def test_any_world_size_trains_on_a_prefix_of_one_permutation_and_a_resume_continues_it(
+        length, batch, world, new_world, steps_done, epoch):
+    def global_batches(world_size, images_done=0):
+        samplers = [data.TrainSampler(length, rank, world_size, batch, seed=3) for rank in range(world_size)]
+        steps = [sampler.set_epoch(epoch, images_done) for sampler in samplers][0]
+        shares = [list(sampler) for sampler in samplers]
+        # Global batch k: every rank's k-th batch.
+        return steps, [sorted(index for share in shares for index in share[k * batch:(k + 1) * batch])
+                       for k in range(len(steps))]
+
+    order = torch.randperm(length, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+    steps, batches = global_batches(world)
+    assert len(steps) == length // (batch * world)
+    assert batches == [sorted(order[k * batch * world:(k + 1) * batch * world]) for k in range(len(steps))]
+    # Stopped after `done` steps, resumed by new_world processes: the rest of the same permutation,
+    # in global batches of the new size, no image twice, none of the whole new batches skipped.
+    done = min(steps_done, len(steps))
+    images_done = done * batch * world
+    steps_after, batches_after = global_batches(new_world, images_done)
+    assert steps_after.stop == length // (batch * new_world)
+    rest = order[images_done:]
+    assert batches_after == [sorted(rest[k * batch * new_world:(k + 1) * batch * new_world])
+                             for k in range(len(steps_after))]
+    assert len(steps_after) == max(0, (steps_after.stop * batch * new_world - images_done) // (batch * new_world))
+
+
+def test_crops_depend_on_the_image_and_epoch_not_on_the_process_or_worker_reading_it(tmp_path):
+    root = make_image_folder(tmp_path, classes=2, train_per_class=8, val_per_class=1)
+    cfg = parse("ddp", [str(root), *FAST_ARGS])
+
+    def images_by_index(world_size, workers, epoch=1):
+        seen = {}
+        for rank in range(world_size):
+            loaders = build_loaders(dataclasses.replace(cfg, workers=workers),
+                                    dataclasses.replace(CPU, rank=rank, world_size=world_size))
+            loaders.set_epoch(epoch)
+            indices = list(loaders.train.sampler)
+            images = torch.cat([batch[0] for batch in loaders.train])
+            seen.update({index: image for index, image in zip(indices, images)})
+        return seen
+
+    one = images_by_index(1, 0)
+    two = images_by_index(2, 2)
+    assert sorted(one) == sorted(two) and len(one) == 16
+    assert all(torch.equal(one[index], two[index]) for index in one)
+    other_epoch = images_by_index(1, 0, epoch=2)
+    assert not all(torch.equal(one[index], other_epoch[index]) for index in one)
 
 
 def test_data_parallel_feeds_one_batch_per_gpu_from_one_process(tmp_path):

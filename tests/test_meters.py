@@ -67,8 +67,8 @@ def test_epoch_metrics_rates_leave_out_the_warm_up():
     # cover 3 steps (12 images) in 0.5 s of a 0.75 s split, a quarter of which went waiting for data.
     totals = MetricTotals(loss_sum=40.0, top1_correct=12, top5_correct=16, count=16, timed_count=12,
                           file_bytes=123_456)
-    timing = SplitTiming(steps=4, warmup_steps=1, seconds=0.75, timed_seconds=0.5, data_wait_fraction=0.25,
-                         peak_memory_mib=42.0)
+    timing = SplitTiming(steps=4, warmup_steps=1, seconds=0.75, timed_seconds=0.5, data_wait_seconds=0.25,
+                         all_timed_seconds=1.0, peak_memory_mib=42.0)
     metrics = EpochMetrics.from_totals(2, "train", totals, timing, replicas=2, lr=0.1, wall_time=1.0)
     assert (metrics.loss, metrics.top1, metrics.top5) == (2.5, 75.0, 100.0)
     assert (metrics.images, metrics.steps, metrics.seconds, metrics.warmup_steps) == (16, 4, 0.75, 1)
@@ -76,6 +76,16 @@ def test_epoch_metrics_rates_leave_out_the_warm_up():
     assert metrics.seconds_per_step == 0.5 / 3
     assert metrics.data_wait_fraction == 0.25
     assert (metrics.dataset_bytes, metrics.peak_memory_mib, metrics.macro_f1) == (123_456, 42.0, None)
+    # The same split in two parts (a resume after step 2): the sums and times add up to the same row.
+    first = SplitTiming(steps=2, warmup_steps=1, seconds=0.5, timed_seconds=0.25, data_wait_seconds=0.125,
+                        all_timed_seconds=0.5, peak_memory_mib=40.0)
+    second = SplitTiming(steps=2, warmup_steps=0, seconds=0.25, timed_seconds=0.25, data_wait_seconds=0.125,
+                         all_timed_seconds=0.5, peak_memory_mib=42.0)
+    halves = (MetricTotals(loss_sum=15.0, top1_correct=5, top5_correct=8, count=8, timed_count=4, file_bytes=56),
+              MetricTotals(loss_sum=25.0, top1_correct=7, top5_correct=8, count=8, timed_count=8, file_bytes=123_400))
+    joined = EpochMetrics.from_totals(2, "train", halves[0].plus(halves[1]), first.plus(second), replicas=2, lr=0.1,
+                                      wall_time=1.0)
+    assert joined == metrics
     empty = MetricTotals(0.0, 0, 0, 0)
     assert math.isnan(empty.top1) and math.isnan(empty.loss)
 

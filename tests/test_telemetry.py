@@ -48,8 +48,14 @@ class SlowLoaders:
             time.sleep(DATA_DELAY_SECONDS)
             yield torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,)), torch.full((BATCH,), 100)
 
+    seed = 0
+    global_batch = BATCH
+
     def train_steps(self, limit: int = 0) -> int:
         return self.steps
+
+    def set_epoch(self, epoch: int, images_done: int = 0, limit: int = 0) -> range:
+        return range(self.steps)
 
 
 @pytest.fixture(autouse=True)
