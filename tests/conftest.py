@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +63,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def free_port(low: int = 20000, high: int = 30000) -> int:
+    """A port nothing listens on, from [low, high) (tests aim at ranges, such as the Slurm-derived one)."""
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

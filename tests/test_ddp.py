@@ -5,7 +5,6 @@ line, and no process outlives an interrupted or crashed job."""
 import csv
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -22,7 +21,7 @@ from common import data as data_module
 from common import engine, models
 from common.checkpoint import CHECKPOINT_NAME
 from common.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
-from conftest import REPO, make_image_folder, run_script
+from conftest import REPO, free_port, make_image_folder, run_script, running
 
 # SqueezeNet 1.1 without dropout: small (1.2M parameters), BatchNorm-free and random-free in training,
 # so one process with batch 2B and two processes with B each must compute the same steps.
@@ -32,19 +31,6 @@ MODEL = ["-a", "squeezenet1_1", "--dropout", "0", "--image-size", "32", "--val-r
 # Identical numerics in every launcher's processes: one thread each (torchrun's default for several).
 ENV = {"OMP_NUM_THREADS": "1"}
 DETERMINISTIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "lr"]
-
-
-def free_port(low=20000, high=30000):
-    """A port nothing listens on; from [low, high) so tests can also aim at the Slurm-derived range."""
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
 
 
 def single_run_dir(logdir: Path) -> Path:
@@ -229,6 +215,29 @@ def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     return confusion
 
 
+def test_a_mid_epoch_checkpoint_of_two_processes_continues_in_one_with_the_same_global_batch(
+        spawned_reference, data, tmp_path):
+    # The spawned reference run again, now with a checkpoint every 2 steps: 3 steps per epoch of
+    # 2 x 4 images, so one falls at step 2 of epoch 0, after 16 of its 24 images.
+    finish([start([sys.executable, REPO / "imagenet_ddp.py", data, *RUN, "--nproc-per-node", "2",
+                   "--checkpoint-every", "2steps", "--keep-checkpoints", "5", "--logdir", tmp_path])])
+    run_dir = single_run_dir(tmp_path)
+    assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6  # checkpoints change nothing
+    mid_epoch = run_dir / "checkpoint-epoch000-step000002.pth.tar"
+    assert torch.load(mid_epoch, weights_only=True)["images_done"] == 16
+
+    one = run_script([REPO / "imagenet_nd.py", data, *RUN, "-b", "8", "--resume", mid_epoch], env_extra=ENV)
+    assert one.returncode == 0, one.stderr
+    assert ("the checkpoint was written by 2 replicas (global batch 8, lr 0.003125); this run has 1: global "
+            "batch 8, lr 0.003125 (linear scaling); epoch 0 goes on after its first 16 images") in one.stdout
+    assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-5
+    resumed, reference = metrics(run_dir), metrics(spawned_reference)
+    assert [(row["epoch"], row["split"], row["images"], row["steps"]) for row in resumed] == \
+        [(row["epoch"], row["split"], row["images"], row["steps"]) for row in reference]
+    for ours, theirs in zip(resumed, reference):  # epoch 0's row joins both parts
+        assert float(ours["loss"]) == pytest.approx(float(theirs["loss"]), abs=1e-5)
+
+
 def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):
     result = run_script([REPO / "imagenet_nd.py", data, *RUN, "-e", "--resume", spawned_reference / CHECKPOINT_NAME],
                         env_extra=ENV)
@@ -347,13 +356,6 @@ def process_tree(root: int):
         found += kids
         todo += kids
     return found
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def start_long_job():

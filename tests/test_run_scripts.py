@@ -8,10 +8,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.distributed import first_slurm_host, slurm_port
-from conftest import REPO, make_image_folder
+from conftest import REPO, free_port, make_image_folder
 
 RUN_SCRIPTS = REPO / "run_scripts"
 SHELL_FILES = sorted(RUN_SCRIPTS.glob("*.sh")) + sorted(RUN_SCRIPTS.glob("*.sbatch"))
@@ -288,18 +286,6 @@ def test_outside_a_slurm_job_the_batch_file_says_how_to_submit_it(fake_slurm, na
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"{name}: error: SLURM_JOB_ID is not set: submit this file with sbatch"]
     assert not calls.exists()
-
-
-def free_port(low: int, high: int) -> int:
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
 
 
 # Tiny CPU training: 3 classes, 8 training images each, 2 steps of 4 images per process.
