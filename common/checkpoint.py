@@ -9,8 +9,8 @@ every step once), best top-1, seed, world size, global batch and LR, RNG
 states, class names and the run's options.
 
 In a run directory each checkpoint is a file of its own,
-checkpoint-epoch<E>-step<S>.pth.tar (E: the epoch in progress, S: its steps
-done); checkpoint.pth.tar is always the newest (a hard link, or a copy where
+checkpoint-epoch<E>-images<N>.pth.tar (E: the epoch in progress, N: its
+images done, all processes together); checkpoint.pth.tar is always the newest (a hard link, or a copy where
 the file system has none), model_best.pth.tar the best epoch's, and only the
 newest --keep-checkpoints files are kept. Files are written to a temporary
 name, flushed and renamed, so a crash mid-write leaves the previous
@@ -41,12 +41,14 @@ from common.models import unwrap
 FORMAT = "imagenet-reference-checkpoint/2"  # /2: a position within the epoch (step, images_done, partial_epoch)
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
-_KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-step(\d+)\.pth\.tar$")
+_KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
 
 
-def kept_name(epoch: int, step: int) -> str:
-    """The file name of the checkpoint taken with `step` steps of epoch `epoch` done."""
-    return f"checkpoint-epoch{epoch:03d}-step{step:06d}.pth.tar"
+def kept_name(epoch: int, images_done: int) -> str:
+    """The file name of the checkpoint taken with `images_done` images of epoch
+    `epoch` trained on. Images, not steps: a resume with another global batch
+    numbers its steps differently, but names must keep sorting by progress."""
+    return f"checkpoint-epoch{epoch:03d}-images{images_done:08d}.pth.tar"
 
 
 def capture_rng_state() -> dict:
@@ -134,13 +136,13 @@ def _link_atomically(source: Path, destination: Path) -> None:
 
 
 def position_of(path: Path) -> Optional[Tuple[int, int]]:
-    """(epoch, step) of a checkpoint-epoch<E>-step<S>.pth.tar file; None for other names."""
+    """(epoch, images done) of a checkpoint-epoch<E>-images<N>.pth.tar file; None for other names."""
     match = _KEPT_NAME.match(Path(path).name)
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def kept_checkpoints(run_dir: Path) -> List[Path]:
-    """The run directory's checkpoint-epoch*-step*.pth.tar files, newest first."""
+    """The run directory's checkpoint-epoch*-images*.pth.tar files, newest first."""
     found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None]
     return sorted(found, key=position_of, reverse=True)
 
@@ -151,7 +153,7 @@ def save(state: dict, run_dir: Path, is_best: bool, keep: int = 3) -> Path:
     but the newest `keep` checkpoint files. Call on the primary process only.
     Returns the new file's path."""
     run_dir = Path(run_dir)
-    path = run_dir / kept_name(state["epoch"], state.get("step", 0))
+    path = run_dir / kept_name(state["epoch"], state.get("images_done", 0))
     _atomic_write(path, lambda handle: torch.save(state, handle))
     _link_atomically(path, run_dir / CHECKPOINT_NAME)
     if is_best:
@@ -174,22 +176,23 @@ def load(path: str, flag: str = "--resume") -> dict:
 
 
 def newest_readable(run_dir: Path) -> Tuple[Optional[Path], List[str]]:
-    """The newest checkpoint of `run_dir` that loads (checkpoint.pth.tar, then
-    the kept files newest first), and a warning for each newer one that does
-    not. (None, []) when there is none at all; (None, warnings) when every one
-    is unreadable."""
+    """The newest checkpoint of `run_dir` that loads, by position (the kept
+    files; checkpoint.pth.tar, normally one of them, only when it is not:
+    a run directory of an older version, or a copy), and a warning for each
+    newer one that does not. (None, []) when there is none at all;
+    (None, warnings) when every one is unreadable."""
     run_dir = Path(run_dir)
-    newest = [run_dir / CHECKPOINT_NAME] if (run_dir / CHECKPOINT_NAME).is_file() else []
-    candidates = newest + kept_checkpoints(run_dir)
-    warnings, tried = [], []
+    newest = run_dir / CHECKPOINT_NAME
+    candidates = kept_checkpoints(run_dir)
+    if newest.is_file() and not any(os.path.samefile(newest, path) for path in candidates):
+        candidates.append(newest)
+    warnings = []
     for path in candidates:
-        if any(os.path.samefile(path, earlier) for earlier in tried):
-            continue  # checkpoint.pth.tar is a link to the newest kept file: read once
-        tried.append(path)
         try:
             load(str(path))
         except UsageError as error:
-            warnings.append(str(error).split(": ", 1)[1])  # without "argument --resume: "
+            also = f" ({newest})" if newest.is_file() and os.path.samefile(newest, path) and path != newest else ""
+            warnings.append(f"{path}{also} " + str(error).split(f"{path} ", 1)[1])  # without "argument --resume: "
             continue
         return path, warnings
     return None, warnings
@@ -320,7 +323,8 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         partial_epoch=state.get("partial_epoch"),
         path=path,
     )
-    where = f"epoch {start.start_epoch}" + (f" after {start.step} steps" if start.step else "")
+    where = f"epoch {start.start_epoch}" + (f" after {start.step} steps ({start.images_done} images)"
+                                            if start.step else "")
     how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
     best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
                    if start.best_epoch is not None else "")

@@ -321,18 +321,23 @@ def _checkpoint_interval(text: str) -> Tuple[int, float]:
     raise argparse.ArgumentTypeError(f"expected minutes like 10min, steps like 500steps, or 0, got {text!r}")
 
 
+# The signals a preemption warning can use: those that every process of the job (data-loading
+# workers included) is prepared to receive without dying (see common.distributed).
+PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
+
+
 def _signal_name(text: str) -> str:
-    """USR1, SIGUSR1 or 10 -> 'SIGUSR1'; signals that cannot be caught or mean
-    something else here (SIGKILL, SIGSTOP, SIGINT, SIGCHLD) are refused."""
+    """USR1, SIGUSR1 or 10 -> 'SIGUSR1'; one of PREEMPT_SIGNALS."""
     value = text.strip().upper()
     try:
-        number = signal.Signals(int(value)) if value.isdigit() else signal.Signals[
-            value if value.startswith("SIG") else f"SIG{value}"]
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown signal {text!r} (e.g. USR1, USR2, TERM)") from None
-    if number in (signal.SIGKILL, signal.SIGSTOP, signal.SIGINT, signal.SIGCHLD):
-        raise argparse.ArgumentTypeError(f"{number.name} cannot be used (e.g. USR1, USR2, TERM)")
-    return number.name
+        name = signal.Signals(int(value)).name if value.isdigit() else (
+            value if value.startswith("SIG") else f"SIG{value}")
+    except ValueError:
+        name = value
+    if name not in PREEMPT_SIGNALS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of USR1, USR2, TERM (what Slurm's --signal "
+                                         f"should send)")
+    return name
 
 
 def _true_false(text: str) -> bool:

@@ -155,7 +155,7 @@ class ImageFolderDataset(Dataset):
             # often from Python's): both are reseeded per image. With -j 0 this is the training
             # process's generator, which the training loop reseeds before each step.
             seed = derived_seed(self.augmentation_seed, self.epoch, index)
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU generator only: no per-image cost on GPUs
             random.seed(seed)
         return Sample(self.transform(image), target, file_bytes)
 

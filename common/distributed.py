@@ -180,6 +180,9 @@ class Launch:
     procs_per_node: int
     rank: Optional[int] = None  # this process's global rank; None when this process spawns the workers
     local_rank: Optional[int] = None
+    # torchrun after a restart: the attempt number, and the agent's store (host, port) its workers share.
+    restart_attempt: Optional[int] = None
+    agent_store: Optional[Tuple[str, int]] = None
 
     @property
     def spawns(self) -> bool:
@@ -248,10 +251,14 @@ def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Laun
         procs_per_node = (_environment_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
                           else world_size)
         launcher = "torch.distributed.launch" if cfg.local_rank is not None else "torchrun"
+        agent_store = "TORCHELASTIC_RESTART_COUNT" in environ and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return Launch(launcher=launcher, init_method="env://", world_size=world_size,
                       nodes=max(1, world_size // procs_per_node),
                       node_rank=_environment_int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0,
-                      procs_per_node=procs_per_node, rank=_environment_int(environ, "RANK"), local_rank=local_rank)
+                      procs_per_node=procs_per_node, rank=_environment_int(environ, "RANK"), local_rank=local_rank,
+                      restart_attempt=_environment_int(environ, "TORCHELASTIC_RESTART_COUNT") if agent_store else None,
+                      agent_store=((environ["MASTER_ADDR"], _environment_int(environ, "MASTER_PORT"))
+                                   if agent_store else None))
 
     if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ and not per_node_flags:
         tasks = _environment_int(environ, "SLURM_STEP_NUM_TASKS")
@@ -401,9 +408,7 @@ class RendezvousError(UsageError):
 
 
 def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) -> Context:
-    # srun --gpus-per-task=1 shows each task its own one GPU: cuda:0 in every process.
-    own_gpu_per_task = launch.launcher == "slurm" and torch.cuda.device_count() == 1
-    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank and not own_gpu_per_task:
+    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank:
         raise RendezvousError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} are "
                               f"visible on this node; start one process per GPU")
     device = select_device(cfg.device, local_rank)
@@ -412,18 +417,27 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
         # Processes of one node share its cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.procs_per_node))
     backend = cfg.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
     try:
         with _stderr_held_back() as replay:
-            dist.init_process_group(backend, init_method=launch.init_method, rank=rank,
-                                    world_size=launch.world_size, timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+            if launch.agent_store is not None:
+                # torchrun's agent hosts one store for all its restarts, at the same address: without a
+                # key prefix of their own, restarted workers can read the dead attempt's addresses and
+                # fail to connect (or hang). Each attempt gets its own namespace in that store.
+                host, port = launch.agent_store
+                store = dist.PrefixStore(f"/imagenet-reference/attempt_{launch.restart_attempt}",
+                                         dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout))
+                dist.init_process_group(backend, store=store, rank=rank, world_size=launch.world_size, timeout=timeout)
+            else:
+                dist.init_process_group(backend, init_method=launch.init_method, rank=rank,
+                                        world_size=launch.world_size, timeout=timeout)
             replay()
     except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
         raise RendezvousError(
             f"could not join the process group of {launch.world_size} processes at {launch.init_method} "
             f"within --dist-timeout {cfg.dist_timeout:g} s ({error_summary(error)}); check that every node runs "
             f"with the same --dist-url and --world-size, its own --rank, and can reach node 0") from None
-    control_group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout))
-                     if backend != "gloo" else None)
+    control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
                    launcher=launch.launcher, control_group=control_group)
 
@@ -496,16 +510,24 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
     """Start this node's workers and wait for them. The first failure stops
     the rest (after a moment to exit on their own) and sets the exit status.
     Stop signals (SIGTERM, --preempt-signal) are passed on to the workers,
-    which stop cleanly together; Ctrl-C stops them at once."""
+    which stop cleanly together; a second one, or Ctrl-C, stops them at once."""
     spawn = multiprocessing.get_context("spawn")  # fork would copy a CUDA-initialised parent
     workers = [spawn.Process(target=_spawned_worker, args=(local_rank, train, cfg, launch),
                              name=f"rank{launch.rank_of(local_rank)}")
                for local_rank in range(launch.procs_per_node)]
 
+    signals_received = []
+
     def pass_on(signum, frame):
+        signals_received.append(signum)
+        if len(signals_received) > 1:  # asked twice: stop now (a hung job must still be stoppable)
+            raise KeyboardInterrupt
         for worker in workers:
             if worker.pid is not None and worker.exitcode is None:
-                os.kill(worker.pid, signum)
+                try:
+                    os.kill(worker.pid, signum)
+                except ProcessLookupError:  # it exited meanwhile
+                    pass
 
     stop_signals = {signal.SIGTERM, signal.Signals[cfg.preempt_signal]}
     previous = {signum: signal.signal(signum, pass_on) for signum in stop_signals}

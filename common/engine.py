@@ -103,6 +103,7 @@ class Trainer:
     _best_epoch: Optional[int] = dataclasses.field(default=None, init=False)
     _steps_since_checkpoint: int = dataclasses.field(default=0, init=False)
     _last_checkpoint: Optional[Path] = dataclasses.field(default=None, init=False)
+    _trained: Optional[tuple] = dataclasses.field(default=None, init=False)  # (steps, images done, _PartialEpoch)
 
     def _to_device(self, images: torch.Tensor, target: torch.Tensor):
         images = images.to(self.ctx.device, non_blocking=True)
@@ -155,6 +156,11 @@ class Trainer:
             timer.step_done()
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
         timing = timer.finish(self.ctx, before.timing)
+        if lr is None and steps:  # every step ran before the checkpoint this run resumed from
+            lr = self.schedule.lr(epoch, steps - 1, steps)
+        # Where training stands, should a stop come before validation ends (see fit).
+        self._trained = (steps, images_done + len(step_numbers) * loaders.global_batch,
+                         _PartialEpoch(totals=totals, timing=timing))
         return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                         self.precision.status())
 
@@ -165,8 +171,15 @@ class Trainer:
         checkpoint)."""
         if self._steps_since_checkpoint == 0 and self._last_checkpoint is not None:
             return self._last_checkpoint
-        path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
-        if path is not None and not stopping:
+        if stopping:
+            return self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
+        try:
+            path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
+        except OSError as error:  # a full disk, say: the others would wait for the primary until --dist-timeout
+            self.log.info(f"warning: could not write the checkpoint of epoch {epoch} step {step} ({error}); "
+                          f"training goes on, and the next checkpoint tries again")
+            return self._last_checkpoint
+        if path is not None:
             self.log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
         return path
 
@@ -240,6 +253,11 @@ class Trainer:
             with self.control if self.control is not None else contextlib.nullcontext():
                 for epoch in range(start.start_epoch, epochs):
                     train = self.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
+                    decision = self.control.now() if self.control is not None else Decision()
+                    if decision.stop:  # before validation, which can take minutes: the grace period may be short
+                        steps, images_done, partial = self._trained
+                        path = self._save_mid_epoch(epoch, steps, images_done, partial, steps, stopping=True)
+                        raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})")
                     val, report = self.validate(loaders, epoch)
                     epochs_run += 1
                     is_best = val.top1 > self._best_acc1
@@ -265,6 +283,8 @@ class Trainer:
         """After a stop's checkpoint: close the logs, requeue the Slurm job
         when the signal asks for it, and exit with STOPPED_EXIT_STATUS."""
         decision = stop.decision
+        if self.control is not None:
+            self.control.ignore_signals()
         self.log.info(f"stopping at {stop.where} on {decision.signal_name} (every process at this step): "
                       f"checkpoint saved to {stop.path}")
         self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,

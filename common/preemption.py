@@ -36,6 +36,7 @@ from common.distributed import Context
 
 # What a process's flag holds, combined by maximum: a requeueing stop outranks a plain one.
 _NOTHING, _CHECKPOINT, _STOP, _STOP_AND_REQUEUE = range(4)
+_SIGNAL_SPAN = 256  # signal numbers are below this
 
 
 class TrainingStopped(SystemExit):
@@ -92,6 +93,12 @@ class StopControl:
         self._previous_handlers.clear()
         self._drain()
 
+    def ignore_signals(self) -> None:
+        """From a stop decision to the exit: the stop is under way, and more
+        signals (Slurm's SIGTERM after `scontrol requeue`) must not cut it short."""
+        for signum in {self.preempt_signal, signal.SIGTERM}:
+            signal.signal(signum, signal.SIG_IGN)
+
     def _on_signal(self, signum, frame) -> None:
         # Only a flag: the stop happens at the next step that every process agrees on.
         if self.received is None:
@@ -107,11 +114,12 @@ class StopControl:
         if self.received is not None:
             wish = _STOP_AND_REQUEUE if self.received == self.preempt_signal else _STOP
             signal_value = int(self.received)
-        return torch.tensor([wish, signal_value], dtype=torch.int64)
+        # One number, so the maximum over processes keeps a wish together with a signal that caused it.
+        return torch.tensor([wish * _SIGNAL_SPAN + signal_value], dtype=torch.int64)
 
     @staticmethod
     def _decision(flags: torch.Tensor) -> Decision:
-        wish, signal_value = flags.tolist()
+        wish, signal_value = divmod(int(flags.item()), _SIGNAL_SPAN)
         name = signal.Signals(signal_value).name if signal_value else None
         return Decision(checkpoint=wish >= _CHECKPOINT, stop=wish >= _STOP, requeue=wish == _STOP_AND_REQUEUE,
                         signal_name=name)

@@ -612,19 +612,23 @@ class RunLog:
                 rows = list(csv.DictReader(handle))
         kept = [row for row in rows if int(row["epoch"]) < start.start_epoch]
         later_checkpoints = [checkpoint for checkpoint in kept_checkpoints(self.run_dir)
-                             if position_of(checkpoint) > (start.start_epoch, start.step)]
+                             if position_of(checkpoint) > (start.start_epoch, start.images_done)]
         if len(kept) == len(rows) and not later_checkpoints:
             return
-        backup = self.run_dir / f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        backup.mkdir(exist_ok=True)
+        stamp = f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        backup, attempt = self.run_dir / stamp, 1
+        while backup.exists():  # two resumes within a second keep both backups
+            attempt += 1
+            backup = self.run_dir / f"{stamp}-{attempt}"
+        backup.mkdir()
         for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
                      "confusion_matrix.npy", "confusion_matrix_best.npy"):
             if (self.run_dir / name).is_file():
                 _preserve(self.run_dir / name, backup / name)
         newest = self.run_dir / CHECKPOINT_NAME
+        if later_checkpoints and newest.is_file() and not (start.path and os.path.samefile(newest, start.path)):
+            newest.unlink()  # a later state (kept in the backup): the next save makes it anew
         for checkpoint in later_checkpoints:
-            if newest.is_file() and os.path.samefile(newest, checkpoint):
-                newest.unlink()  # it is one of them (kept in the backup): the next save makes it anew
             os.replace(checkpoint, backup / checkpoint.name)
         if len(kept) != len(rows):
             # A new file renamed over metrics.csv: later appends must not reach the preserved copy.

@@ -35,21 +35,25 @@ def test_save_is_atomic_and_keeps_the_best(tmp_path):
     assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 2
     assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-epoch001-step000000.pth.tar", "checkpoint-epoch002-step000000.pth.tar",
+        "checkpoint-epoch001-images00000000.pth.tar", "checkpoint-epoch002-images00000000.pth.tar",
         checkpoint.CHECKPOINT_NAME, checkpoint.BEST_NAME]
     # The newest is the same file as checkpoint.pth.tar, not a second copy.
-    assert os.path.samefile(tmp_path / checkpoint.CHECKPOINT_NAME, tmp_path / "checkpoint-epoch002-step000000.pth.tar")
+    assert os.path.samefile(tmp_path / checkpoint.CHECKPOINT_NAME,
+                            tmp_path / "checkpoint-epoch002-images00000000.pth.tar")
 
 
 def test_rotation_keeps_the_newest_k_by_position_and_the_best(tmp_path):
-    positions = [(0, 4), (0, 8), (1, 0), (1, 4), (2, 0)]
-    for epoch, step in positions:
-        checkpoint.save({"state_dict": {}, "epoch": epoch, "step": step}, tmp_path, is_best=(epoch, step) == (1, 0),
-                        keep=2)
+    # Positions in images: after (1, 512) the run resumed with a global batch twice as large, so its
+    # steps are numbered anew (step 3 of epoch 1 is image 768), but the order of the files holds.
+    positions = [(0, 256, 2), (0, 512, 4), (1, 0, 0), (1, 512, 4), (1, 768, 3), (2, 0, 0)]
+    for epoch, images, step in positions:
+        path = checkpoint.save({"state_dict": {}, "epoch": epoch, "step": step, "images_done": images}, tmp_path,
+                               is_best=(epoch, images) == (1, 0), keep=2)
+        assert path.is_file()  # the file just written is never the one rotated out
     assert [path.name for path in checkpoint.kept_checkpoints(tmp_path)] == [
-        "checkpoint-epoch002-step000000.pth.tar", "checkpoint-epoch001-step000004.pth.tar"]
+        "checkpoint-epoch002-images00000000.pth.tar", "checkpoint-epoch001-images00000768.pth.tar"]
     assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1  # its own file outlives rotation
-    assert checkpoint.position_of(tmp_path / "checkpoint-epoch001-step000004.pth.tar") == (1, 4)
+    assert checkpoint.position_of(tmp_path / "checkpoint-epoch001-images00000768.pth.tar") == (1, 768)
     assert checkpoint.position_of(tmp_path / checkpoint.CHECKPOINT_NAME) is None
 
 
@@ -60,19 +64,27 @@ def _truncate(path):
 
 
 def test_newest_readable_falls_back_past_a_truncated_newest_with_a_warning(tmp_path):
-    for step in (2, 4, 6):
-        checkpoint.save({"state_dict": {"w": torch.full((3,), float(step))}, "epoch": 0, "step": step}, tmp_path,
-                        is_best=False)
-    _truncate(tmp_path / checkpoint.CHECKPOINT_NAME)  # the same file as step 6's
+    for images in (8, 16, 24):
+        checkpoint.save({"state_dict": {"w": torch.full((3,), float(images))}, "epoch": 0, "images_done": images},
+                        tmp_path, is_best=False)
+    _truncate(tmp_path / checkpoint.CHECKPOINT_NAME)  # the same file as the newest kept one
     path, warnings = checkpoint.newest_readable(tmp_path)
-    assert path == tmp_path / "checkpoint-epoch000-step000004.pth.tar"
-    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / checkpoint.CHECKPOINT_NAME} is not a readable")
+    assert path == tmp_path / "checkpoint-epoch000-images00000016.pth.tar"
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"{tmp_path / 'checkpoint-epoch000-images00000024.pth.tar'} ({tmp_path / checkpoint.CHECKPOINT_NAME}) "
+        f"is not a readable checkpoint (")
     for kept in checkpoint.kept_checkpoints(tmp_path):
         _truncate(kept)
     path, warnings = checkpoint.newest_readable(tmp_path)
-    assert path is None and len(warnings) == 3  # checkpoint.pth.tar and the two others, each read once
+    assert path is None and len(warnings) == 3  # each file read once
     (tmp_path / "empty").mkdir()
     assert checkpoint.newest_readable(tmp_path / "empty") == (None, [])
+
+
+def test_a_checkpoint_pth_tar_of_its_own_is_the_last_resort(tmp_path):
+    # A run directory of an older version: checkpoint.pth.tar only, no kept files.
+    torch.save({"state_dict": {}, "epoch": 3}, tmp_path / checkpoint.CHECKPOINT_NAME)
+    assert checkpoint.newest_readable(tmp_path) == (tmp_path / checkpoint.CHECKPOINT_NAME, [])
 
 
 @pytest.mark.parametrize("run_name, environ, expected", [
@@ -102,7 +114,7 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
     with pytest.raises(RuntimeError):
         checkpoint.save({"state_dict": {}, "epoch": 2, "bad": Unpicklable()}, tmp_path, is_best=False)
     assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-epoch001-step000000.pth.tar",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-epoch001-images00000000.pth.tar",
                                                           checkpoint.CHECKPOINT_NAME]
 
 
@@ -167,7 +179,7 @@ def test_a_checkpoint_of_another_world_size_says_what_changed_and_resumes_mid_ep
                     ["a", "b", "c"], global_batch=512, lr=0.2, log=log)
     assert (point.start_epoch, point.step, point.images_done, point.best_epoch) == (3, 5, 5120, 2)
     assert log.lines == [
-        f"resumed from {path} (epoch 3 after 5 steps, best top-1 51.50% at epoch 2)",
+        f"resumed from {path} (epoch 3 after 5 steps (5120 images), best top-1 51.50% at epoch 2)",
         "the checkpoint was written by 8 replicas (global batch 1024, lr 0.4); this run has 1: global batch 512, "
         "lr 0.2 (linear scaling); epoch 3 goes on after its first 5120 images"]
     with pytest.raises(UsageError, match=r"argument --seed: 7 is not the seed of .* \(0\).*pass --seed 0"):

@@ -223,7 +223,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_continues_in_one_with_the_same_
                    "--checkpoint-every", "2steps", "--keep-checkpoints", "5", "--logdir", tmp_path])])
     run_dir = single_run_dir(tmp_path)
     assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6  # checkpoints change nothing
-    mid_epoch = run_dir / "checkpoint-epoch000-step000002.pth.tar"
+    mid_epoch = run_dir / "checkpoint-epoch000-images00000016.pth.tar"
     assert torch.load(mid_epoch, weights_only=True)["images_done"] == 16
 
     one = run_script([REPO / "imagenet_nd.py", data, *RUN, "-b", "8", "--resume", mid_epoch], env_extra=ENV)

@@ -31,6 +31,15 @@ def test_slurm_port_is_a_function_of_the_job_id_below_the_ephemeral_range():
     assert {slurm_port(job) for job in range(0, 10**7, 997)} <= set(range(10000, 30000))
 
 
+def test_torchrun_workers_meet_in_a_namespace_of_their_attempt_in_the_agents_store():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.7",
+           "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    launch = discover(ddp_config(), env, gpus_visible=0)
+    assert (launch.restart_attempt, launch.agent_store, launch.init_method) == (1, ("10.0.0.7", 29400), "env://")
+    without_agent_store = discover(ddp_config(), dict(env, TORCHELASTIC_USE_AGENT_STORE="False"), gpus_visible=0)
+    assert (without_agent_store.restart_attempt, without_agent_store.agent_store) == (None, None)
+
+
 def test_torchrun_environment():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
            "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}

@@ -2,7 +2,9 @@
 directory, resume == uninterrupted, evaluation, --desired-acc, no overwrites."""
 import csv
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -169,3 +171,47 @@ def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
     assert "trained on 3 classes, DATA has 4 (only in DATA: class_3)" in result.stderr
     result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "-a", "resnet34", "--resume", run_dir / CHECKPOINT_NAME])
     assert result.returncode == 2 and "holds a resnet18 model, not resnet34; pass -a resnet18" in result.stderr
+
+
+def test_a_signal_in_the_last_step_stops_before_validation_and_the_resume_loses_nothing(tiny_data, tmp_path,
+                                                                                        monkeypatch):
+    from common import engine
+
+    uninterrupted = train(tiny_data, tmp_path / "full", "--epochs", "2", "--run-name", "r")
+    real_train_one_epoch = engine.Trainer.train_one_epoch
+    validated = []
+    real_validate = engine.Trainer.validate
+
+    def signalled_during_the_last_step(self, loaders, epoch, start=None):
+        metrics = real_train_one_epoch(self, loaders, epoch, start)
+        if epoch == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)  # as if it came while the last step ran
+        return metrics
+
+    def counting_validate(self, loaders, epoch):
+        validated.append(epoch)
+        return real_validate(self, loaders, epoch)
+
+    monkeypatch.setattr(engine.Trainer, "train_one_epoch", signalled_during_the_last_step)
+    monkeypatch.setattr(engine.Trainer, "validate", counting_validate)
+    command = ["--epochs", "2", "--run-name", "r", "--resume", "auto", "--requeue", "never"]
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            train(tiny_data, tmp_path / "split", *command)
+    finally:  # a stopping process ignores further stop signals until it exits; this one goes on
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert stopped.value.code == 75 and validated == []  # validation would have delayed the checkpoint
+    run_dir = tmp_path / "split" / "r"
+    state = torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)
+    assert (state["epoch"], state["step"], state["images_done"]) == (0, 6, 24)  # 6 steps of 4: all of epoch 0
+    monkeypatch.setattr(engine.Trainer, "train_one_epoch", real_train_one_epoch)
+    train(tiny_data, tmp_path / "split", *command)
+    assert validated == [0, 1]
+    assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(run_dir / CHECKPOINT_NAME)) <= 1e-6
+    resumed, full = read_metrics(run_dir), read_metrics(uninterrupted)
+    assert [(row["epoch"], row["split"], row["images"], row["steps"], row["lr"]) for row in resumed] == \
+        [(row["epoch"], row["split"], row["images"], row["steps"], row["lr"]) for row in full]
+    assert all(float(ours["loss"]) == pytest.approx(float(theirs["loss"]), abs=1e-6)
+               for ours, theirs in zip(resumed, full))
