@@ -289,6 +289,21 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Optional[str]:
     return choice
 
 
+# The options that make up the training recipe (not where the data or logs are, nor how processes meet).
+_RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
+                   "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
+                   "steps_per_epoch", "opt_level", "amp_dtype", "channels_last", "sync_bn")
+
+
+def _changed_recipe(saved: dict, now: dict) -> str:
+    """'--lr 0.2 (was 0.1), --epochs 100 (was 90)' for the recipe options that differ."""
+    def plain(value):
+        return list(value) if isinstance(value, (list, tuple)) else value
+
+    return ", ".join(f"--{name.replace('_', '-')} {plain(now.get(name))} (was {plain(saved[name])})"
+                     for name in _RECIPE_OPTIONS if name in saved and plain(saved[name]) != plain(now.get(name)))
+
+
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
            global_batch: int, lr: float) -> ResumePoint:
     """Where to start: --start-epoch without --resume; otherwise restore model,
@@ -329,6 +344,9 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
     best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
                    if start.best_epoch is not None else "")
     log.info(f"{how} {path} ({where}{best_so_far})")
+    changed = _changed_recipe(state.get("config") or {}, cfg.to_dict())
+    if changed:  # deliberate (a longer schedule), or a sign of continuing someone else's run
+        log.info(f"note: options that differ from the checkpoint's run: {changed}")
     saved_world, saved_batch = state.get("world_size"), state.get("global_batch")
     if saved_world is not None and (saved_world, saved_batch) != (ctx.replicas, global_batch):
         log.info(f"the checkpoint was written by {saved_world} replicas (global batch {saved_batch}, lr "

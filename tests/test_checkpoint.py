@@ -171,15 +171,17 @@ def test_a_checkpoint_of_another_world_size_says_what_changed_and_resumes_mid_ep
     sgd = torch.optim.SGD(model.parameters(), lr=0.4)
     state = checkpoint.training_state(
         model=model, optimizer=sgd, precision_state={}, epoch=3, step=5, images_done=5 * 1024, partial_epoch=None,
-        best_acc1=51.5, best_epoch=2, arch="resnet18", classes=["a", "b", "c"], config={}, world_size=8,
+        best_acc1=51.5, best_epoch=2, arch="resnet18", classes=["a", "b", "c"],
+        config={"epochs": 90, "lr": 0.1, "lr_steps": (30, 60, 80), "data": "/elsewhere"}, world_size=8,
         global_batch=1024, lr=0.4, seed=0)
     path = checkpoint.save(state, tmp_path, is_best=False)
     log = _Log()
     point = _resume(path, torch.nn.Linear(2, 3), torch.optim.SGD(model.parameters(), lr=0.1), "resnet18",
-                    ["a", "b", "c"], global_batch=512, lr=0.2, log=log)
+                    ["a", "b", "c"], extra=["--epochs", "100"], global_batch=512, lr=0.2, log=log)
     assert (point.start_epoch, point.step, point.images_done, point.best_epoch) == (3, 5, 5120, 2)
     assert log.lines == [
         f"resumed from {path} (epoch 3 after 5 steps (5120 images), best top-1 51.50% at epoch 2)",
+        "note: options that differ from the checkpoint's run: --epochs 100 (was 90)",
         "the checkpoint was written by 8 replicas (global batch 1024, lr 0.4); this run has 1: global batch 512, "
         "lr 0.2 (linear scaling); epoch 3 goes on after its first 5120 images"]
     with pytest.raises(UsageError, match=r"argument --seed: 7 is not the seed of .* \(0\).*pass --seed 0"):
