@@ -338,8 +338,8 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         partial_epoch=state.get("partial_epoch"),
         path=path,
     )
-    where = f"epoch {start.start_epoch}" + (f" after {start.step} steps ({start.images_done} images)"
-                                            if start.step else "")
+    steps = f"{start.step} step" + ("s" if start.step != 1 else "")
+    where = f"epoch {start.start_epoch}" + (f" after {steps} ({start.images_done} images)" if start.step else "")
     how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
     best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
                    if start.best_epoch is not None else "")
