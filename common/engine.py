@@ -14,7 +14,6 @@ checkpoint at step S of epoch E is the same as training that never stopped.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import random
@@ -95,7 +94,8 @@ class Trainer:
     channels_last: bool = False
     steps_per_epoch: int = 0  # 0: whole epochs
     warmup_steps: int = 10  # first steps of each split left out of the throughput figures
-    control: Optional[StopControl] = None  # None: no signals handled, no periodic checkpoints
+    # Signals, stops and periodic checkpoints; NoStops: none of them (a Trainer used on its own).
+    control: StopControl = dataclasses.field(default_factory=preemption.NoStops)
     # Set by fit(): what checkpoints record besides the training state, and where the last one is.
     _facts: Optional[RunFacts] = dataclasses.field(default=None, init=False)
     _classes: list = dataclasses.field(default_factory=list, init=False)
@@ -127,7 +127,7 @@ class Trainer:
         batches = iter(loaders.train)
         lr = None
         for step in step_numbers:
-            decision = self.control.step(epoch * steps + step) if self.control is not None else Decision()
+            decision = self.control.step(epoch * steps + step)
             if decision.checkpoint or decision.stop:
                 with timer.paused():
                     partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx))
@@ -250,10 +250,10 @@ class Trainer:
         if start.start_epoch >= epochs:
             self.log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
         try:
-            with self.control if self.control is not None else contextlib.nullcontext():
+            with self.control:
                 for epoch in range(start.start_epoch, epochs):
                     train = self.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
-                    decision = self.control.now() if self.control is not None else Decision()
+                    decision = self.control.now()
                     if decision.stop:  # before validation, which can take minutes: the grace period may be short
                         steps, images_done, partial = self._trained
                         path = self._save_mid_epoch(epoch, steps, images_done, partial, steps, stopping=True)
@@ -269,7 +269,7 @@ class Trainer:
                         self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
                                       f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
                         break
-                    decision = self.control.now() if self.control is not None else Decision()
+                    decision = self.control.now()
                     if decision.stop and epoch + 1 < epochs:
                         raise _Stop(decision, path, f"the end of epoch {epoch}")
         except _Stop as stop:
@@ -283,19 +283,16 @@ class Trainer:
         """After a stop's checkpoint: close the logs, requeue the Slurm job
         when the signal asks for it, and exit with STOPPED_EXIT_STATUS."""
         decision = stop.decision
-        if self.control is not None:
-            self.control.ignore_signals()
+        self.control.ignore_signals()
         self.log.info(f"stopping at {stop.where} on {decision.signal_name} (every process at this step): "
                       f"checkpoint saved to {stop.path}")
         self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
                                   best_acc1=self._best_acc1, best_epoch=self._best_epoch), stopped=True)
-        if (self.log.is_primary and decision.requeue and self.control is not None
-                and preemption.should_requeue(self.control.requeue)):
+        if self.log.is_primary and decision.requeue and preemption.should_requeue(self.control.requeue):
             preemption.requeue_slurm_job(self.log)
         # Everyone leaves together, after the primary's checkpoint and requeue: a launcher that stops the
         # job at a process's exit (srun --kill-on-bad-exit, torchrun) must not cut the checkpoint short.
-        if self.control is not None:
-            self.control.barrier()
+        self.control.barrier()
         raise TrainingStopped(decision.signal_name)
 
 

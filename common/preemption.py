@@ -176,6 +176,31 @@ class StopControl:
         self._pending = None
 
 
+class NoStops:
+    """StopControl's part for a Trainer used on its own (tests, a notebook):
+    no signal handlers, no mid-epoch checkpoints, never a stop."""
+
+    requeue = "never"
+
+    def __enter__(self) -> "NoStops":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        return None
+
+    def step(self, global_step: int) -> Decision:
+        return Decision()
+
+    def now(self) -> Decision:
+        return Decision()
+
+    def barrier(self) -> None:
+        pass
+
+    def ignore_signals(self) -> None:
+        pass
+
+
 def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     return environ.get("SLURM_JOB_ID") or None
 
