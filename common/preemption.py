@@ -55,7 +55,7 @@ class Decision:
     checkpoint: bool = False
     stop: bool = False
     requeue: bool = False
-    signal_name: Optional[str] = None  # the first stop signal any process received
+    signal_name: Optional[str] = None  # a stop signal a process received (the preempt signal, if any did)
 
 
 class StopControl:
@@ -146,8 +146,9 @@ class StopControl:
 
     def now(self) -> Decision:
         """The decision from every process's flags as they are now (waits for
-        all of them), for a stop only: at an epoch's end, which has just
-        written a checkpoint."""
+        all of them), for a stop only: between an epoch's training and its
+        validation, and after its checkpoint (periodic checkpoints wait: one
+        comes at the epoch's end anyway)."""
         self._drain()
         flags = self._local_flags(include_timer=False)
         if self._combined():
