@@ -154,7 +154,9 @@ class StepTimer:
         # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
         waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
         wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
-        timing = SplitTiming(steps=self.completed, warmup_steps=self.warmup_steps, seconds=now - self.start,
+        # A part that ends within its warm-up (a mid-epoch checkpoint) left out only the steps it ran.
+        timing = SplitTiming(steps=self.completed, warmup_steps=min(self.warmup_steps, self.completed),
+                             seconds=now - self.start,
                              timed_seconds=timed_seconds, data_wait_seconds=wait_seconds,
                              all_timed_seconds=all_timed_seconds, peak_memory_mib=peak)
         return timing.plus(before) if before is not None else timing

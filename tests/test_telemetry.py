@@ -116,6 +116,24 @@ def test_a_split_of_at_most_twice_the_warm_up_is_timed_whole(steps, asked, exclu
 
 # --- the bytes the input pipeline read, exactly, summed over processes ---
 
+def test_a_part_that_ends_within_its_warm_up_leaves_out_only_the_steps_it_ran():
+    # A mid-epoch checkpoint after 3 steps of a 30-step split with a 10-step warm-up: joined with the
+    # part after the resume (its own 10 warm-up steps of 27), 13 steps are untimed, not 20.
+    ctx = distributed.single_process("cpu")
+    first = telemetry.StepTimer(30, 10, [torch.device("cpu")])
+    for _ in range(3):
+        first.batch_ready()
+        first.step_done()
+    part = first.finish(ctx)
+    assert (part.steps, part.warmup_steps, part.timed_seconds) == (3, 3, 0.0)
+    rest = telemetry.StepTimer(27, 10, [torch.device("cpu")])
+    for _ in range(27):
+        rest.batch_ready()
+        rest.step_done()
+    joined = rest.finish(ctx, part)
+    assert (joined.steps, joined.warmup_steps) == (30, 13)
+
+
 def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
     data = make_image_folder(tmp_path / "data")  # 24 training images (3 steps of 4 per process), 9 val
     result = run_script([REPO / "imagenet_ddp.py", data, "-a", "resnet18", "--image-size", "32", "--val-resize",
