@@ -171,15 +171,15 @@ class Trainer:
         checkpoint)."""
         if self._steps_since_checkpoint == 0 and self._last_checkpoint is not None:
             return self._last_checkpoint
-        if stopping:
-            return self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
         try:
             path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
         except OSError as error:  # a full disk, say: the others would wait for the primary until --dist-timeout
+            if stopping:
+                raise
             self.log.info(f"warning: could not write the checkpoint of epoch {epoch} step {step} ({error}); "
                           f"training goes on, and the next checkpoint tries again")
             return self._last_checkpoint
-        if path is not None:
+        if not stopping:
             self.log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
         return path
 
@@ -187,7 +187,6 @@ class Trainer:
               is_best: bool) -> Optional[Path]:
         self._steps_since_checkpoint = 0
         if not self.log.is_primary:
-            self._last_checkpoint = Path("(written by the primary process)")
             return None
         facts = self._facts
         state = checkpoint.training_state(

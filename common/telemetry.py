@@ -371,10 +371,7 @@ def _run_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
         run_dir = logdir / auto_run_name(cfg)
         if (run_dir / "config.json").is_file():
             return run_dir, True
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"argument --logdir: cannot create {run_dir} ({error.strerror})") from None
+        _make_run_directory(run_dir, "--logdir")  # or it is there, from a start that ended before config.json
         return run_dir, False
     resumed = Path(cfg.resume).resolve().parent if cfg.resume else None
     if resumed is not None and cfg.run_name is None and (resumed / "config.json").is_file():
