@@ -216,7 +216,6 @@ class TrainSampler(Sampler):
         self.seed = seed
         self.epoch = 0
         self.images_done = 0
-        self.first_step = 0
         self.steps = self.steps_per_epoch()
 
     @property
@@ -235,8 +234,8 @@ class TrainSampler(Sampler):
         self.images_done = images_done
         total = self.steps_per_epoch(limit)
         remaining = max(0, (total * self.global_batch - images_done) // self.global_batch)
-        self.first_step, self.steps = total - remaining, remaining
-        return range(self.first_step, total)
+        self.steps = remaining
+        return range(total - remaining, total)
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
