@@ -21,7 +21,7 @@ def main(argv=None):
 
 def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
-    engine.seed_everything(cfg.seed)
+    engine.seed_everything(cfg.seed, cfg.deterministic)
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
@@ -49,7 +49,8 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
 
     trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
                              channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch,
-                             warmup_steps=cfg.warmup_steps, control=preemption.StopControl.for_run(cfg, ctx))
+                             warmup_steps=cfg.warmup_steps, max_nonfinite_steps=cfg.max_nonfinite_steps,
+                             control=preemption.StopControl.for_run(cfg, ctx))
     log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
     if cfg.evaluate:
         val, report = trainer.validate(loaders, start.start_epoch)
@@ -61,6 +62,7 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
         "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
         "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
+        "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
     })
     trainer.fit(loaders, cfg.epochs, start, engine.RunFacts.of(cfg, global_batch, lr), desired_acc=cfg.desired_acc)
 

@@ -104,6 +104,18 @@ def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: d
     }
 
 
+def expected_bytes(model: nn.Module, optimizer: Optimizer) -> int:
+    """About how large this run's checkpoint files will be, before training
+    has created the optimizer's state: the weights and buffers, plus one
+    buffer per parameter for each of SGD's momentum and Adam's two moments
+    (the rest, RNG states and the config, is a few kilobytes)."""
+    weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    parameters = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    defaults = optimizer.defaults
+    buffers = 2 if "betas" in defaults else 1 if defaults.get("momentum") else 0
+    return weights + buffers * parameters
+
+
 def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write to a temporary file beside `path`, flush it to disk, then rename it
     over `path`: readers see the old file or the new one, never half of one."""

@@ -20,6 +20,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 # sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
 # writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
 STOPPED_EXIT_STATUS = 75
+# The training loss became NaN or inf (see engine.LossGuard): the run stopped without saving those weights.
+NONFINITE_EXIT_STATUS = 3
 
 # The parallelism modes, one per entry script.
 MODES = ("nd", "dp", "ddp", "ddp_apex")
@@ -40,6 +42,19 @@ class UsageError(Exception):
     # primary process reports those. A rank-specific error (an unreadable image in one process's
     # share of the data, a peer it cannot reach) is reported by the process that meets it.
     rank_specific = False
+
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(message))
+
+
+# Control characters and line separators, as Python writes them in a string literal.
+_ESCAPED_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(32), 127, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(text: str) -> str:
+    """`text` as one line, whatever a quoted path or value in it holds (a
+    newline in a file name): control characters are shown escaped."""
+    return text.translate(_ESCAPED_CONTROLS)
 
 
 def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:
@@ -97,6 +112,9 @@ class Config:
     keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
     loss_scale: Union[str, float, None] = None  # "dynamic" or a fixed scale; None: Apex's default
     dropout: Optional[float] = None  # None: the architecture's own default
+    bad_images: str = "fail"  # fail | skip: what an unreadable image file does
+    deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
+    max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
     dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU
@@ -221,6 +239,11 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--synthetic", action="store_true",
                        help="random tensors instead of images (no disk I/O), for benchmarking; DATA may be "
                             "omitted. Validation then covers 10 batches per process")
+    group.add_argument("--bad-images", choices=("fail", "skip"), default="fail",
+                       help="an image file that cannot be decoded (truncated, empty, not an image, unreadable): "
+                            "fail stops the run at once, naming it; skip replaces it with the next readable image "
+                            "of the dataset (the same on every process and in every epoch), counts it per epoch "
+                            "(metrics.csv, bad_images) and lists it in the run directory's bad_images.csv")
 
     group = parser.add_argument_group("optimisation")
     group.add_argument("--epochs", type=positive_int, default=90, metavar="N", help="total epochs to run")
@@ -260,6 +283,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        help="only validate (the --resume checkpoint or the --pretrained weights) and exit")
     group.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
                        help="seed of initialisation, data order and augmentation")
+    group.add_argument("--deterministic", action="store_true",
+                       help="also make the GPU's arithmetic repeatable: deterministic cuDNN and cuBLAS "
+                            "algorithms, no cuDNN autotuning (slower; the CPU needs nothing more than --seed)")
+    group.add_argument("--max-nonfinite-steps", type=non_negative_int, default=0, metavar="N",
+                       help="a NaN or inf training loss stops the run (the last good checkpoint is kept); with "
+                            "N > 0 the first N such steps are skipped instead (no update), at the cost of one "
+                            "host-device synchronisation per step")
     group.add_argument("--desired-acc", type=percent, default=None, metavar="ACC",
                        help="stop once validation top-1 reaches this (0.75 and 75 both mean 75%%)")
     group.add_argument("--logdir", default="runs", metavar="DIR",
@@ -312,7 +342,7 @@ def _checkpoint_interval(text: str) -> Tuple[int, float]:
     try:
         if value == "0":
             return 0, 0.0
-        if value.endswith("min") and float(value[:-3]) > 0:
+        if value.endswith("min") and 0 < float(value[:-3]) < float("inf"):
             return 0, float(value[:-3])
         if value.endswith("steps") and int(value[:-5]) > 0:
             return int(value[:-5]), 0.0
@@ -432,6 +462,10 @@ def _check_values(ns: argparse.Namespace) -> None:
                          f"(under torchrun, launch or srun leave it unset)")
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
+    if ns.batch_size == 1 and not ns.evaluate:
+        from common.models import check_one_image_per_step
+
+        check_one_image_per_step(ns.arch, ns.image_size)
     if ns.val_resize < ns.image_size:
         raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than --image-size {ns.image_size}")
     if ns.crop_scale[0] > ns.crop_scale[1]:
@@ -444,7 +478,7 @@ def _check_values(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --run-name: {ns.run_name!r} must be a plain folder name")
     if ns.resume is not None and ns.resume != "auto":
         resume = Path(ns.resume)
-        if not resume.is_file():
+        if not _is(resume, Path.is_file, "--resume"):
             raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
         if not os.access(resume, os.R_OK):
             raise UsageError(f"argument --resume: cannot read {resume} (permission denied)")
@@ -453,7 +487,7 @@ def _check_values(ns: argparse.Namespace) -> None:
             raise UsageError("argument --report-dir: only with --evaluate (training writes its per-class report "
                              "into the run directory)")
         for name in ("val_report.csv", "confusion_matrix.npy"):
-            if (Path(ns.report_dir) / name).exists():
+            if _is(Path(ns.report_dir) / name, Path.exists, "--report-dir"):
                 raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
                                  f"choose another folder (nothing is overwritten)")
     if ns.synthetic:
@@ -461,11 +495,22 @@ def _check_values(ns: argparse.Namespace) -> None:
     if ns.data is None:
         raise UsageError("DATA: missing; give the dataset folder (holding train/ and val/), or use --synthetic")
     root = Path(ns.data)
-    if not root.is_dir():
+    if not _is(root, Path.is_dir, "DATA"):
         raise UsageError(f"DATA {root}: no such directory")
     for split in ("train", "val"):
-        if not (root / split).is_dir():
+        if not _is(root / split, Path.is_dir, "DATA"):
             raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
+
+
+def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:
+    """`test(path)` (is_file, is_dir, exists), where an OSError other than
+    "no such file" (a name too long, a folder on the way that cannot be
+    entered) is the user's to fix: a UsageError naming `flag` and the path."""
+    try:
+        return test(path)
+    except OSError as error:
+        where = f"argument {flag}" if flag.startswith("-") else flag
+        raise UsageError(f"{where}: cannot look at {path} ({error.strerror or error_summary(error)})") from None
 
 
 def program() -> str:

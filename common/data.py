@@ -2,9 +2,14 @@
 
 Layout read: DATA/train/<class>/<image> and DATA/val/<class>/<image>, as
 torchvision's ImageFolder; class indices come from train/ and val/ uses the
-same mapping. Unreadable images stop the run at once, naming the file (a
-multi-hour run must neither crash later with an anonymous worker traceback
-nor hang).
+same mapping. What the files really are decides, not their names: a PNG
+named .JPEG, CMYK, grayscale, palette, RGBA and 16-bit images all become
+8-bit RGB; other files (and FIFOs, sockets, hidden files) are ignored. An
+image file that cannot be decoded follows --bad-images: `fail` stops the run
+at once naming the file (a multi-hour run must neither crash later with an
+anonymous worker traceback nor hang); `skip` puts the next readable image of
+the dataset in its place (in training; validation leaves it out), the same in
+every process and epoch, and the training loop counts and lists it.
 
 Reproducibility, which makes a resumed run equal an uninterrupted one: an
 epoch's order is one permutation of the training set, a function of (seed,
@@ -22,16 +27,18 @@ import hashlib
 import io
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import transforms
 
 from common.cli import Config, UsageError, error_summary
-from common.distributed import Context, data_loader_worker_init
+from common.distributed import Context, data_loader_worker_init, gather_to_primary
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -40,13 +47,17 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_VAL_BATCHES = 10  # per process: random tensors have no accuracy worth a full pass
 
+# Pillow warns about harmless oddities it decodes anyway (corrupt EXIF blocks, which some ImageNet
+# JPEGs have; palette transparency), once per data-loading worker and epoch: noise in a long log.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+
 
 class BadImageError(UsageError):
     """An image file that cannot be decoded; the message names the file."""
 
     rank_specific = True  # only the process whose share holds the file meets it
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, reason: str = ""):
         # A DataLoader worker's exception reaches the main process rebuilt as
         # type(error)("Caught ... Original Traceback ...\n...BadImageError: <message>");
         # keep only the original one-line message, so the user sees one line.
@@ -54,6 +65,7 @@ class BadImageError(UsageError):
         if "Original Traceback" in message and marker in message:
             message = message.rsplit(marker, 1)[1].strip()
         super().__init__(message)
+        self.reason = reason  # why the file cannot be decoded, without the path
 
 
 class Sample(NamedTuple):
@@ -65,36 +77,100 @@ class Sample(NamedTuple):
     image: torch.Tensor
     target: int
     file_bytes: int
+    # --bad-images skip: the dataset index of the unreadable file this sample stands in for, and why
+    # it could not be read; -1 and "" for a sample that is itself.
+    bad_index: int = -1
+    bad_reason: str = ""
 
 
 def read_rgb(path: str) -> Tuple[Image.Image, int]:
-    """Decode any image file as 3-channel RGB (grayscale, CMYK, palette and
-    RGBA images included); also returns the bytes read from the file. The
-    file is read whole first (as decoding would anyway), which makes that
-    count exact."""
+    """Decode any image file as 8-bit, 3-channel RGB (grayscale, CMYK,
+    palette, RGBA and 16-bit images included; the format is read from the
+    content, whatever the extension says); also returns the bytes read from
+    the file. The file is read whole first (as decoding would anyway), which
+    makes that count exact."""
+    encoded = None
     try:
         with open(path, "rb") as handle:
             encoded = handle.read()
         with Image.open(io.BytesIO(encoded)) as image:
-            return image.convert("RGB"), len(encoded)  # convert() forces the full decode: truncation shows here
+            image.load()  # the full decode: truncation shows here
+            return _eight_bit(image).convert("RGB"), len(encoded)
     except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, struct.error, ...)
+        if encoded == b"":
+            reason = "empty file"
+        elif isinstance(error, UnidentifiedImageError):  # its message names our in-memory copy, not the file
+            reason = f"not an image format Pillow reads ({len(encoded)} bytes starting {encoded[:8]!r})"
+        else:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error_summary(error)
         raise BadImageError(
-            f"{path}: cannot decode image ({error_summary(error)}); remove or replace the file "
-            f"(policy: the run stops at the first unreadable image)"
-        ) from None
+            f"{path}: cannot decode image ({reason}); remove or replace the file, or pass --bad-images skip",
+            reason=reason) from None
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """16-bit and 32-bit grayscale scaled to 8 bits: Pillow's convert("RGB")
+    clips them at 255, which turns almost every pixel white."""
+    if image.mode.startswith("I"):  # I;16, I;16B, I (what 16-bit PNG and TIFF files open as)
+        pixels = np.asarray(image, dtype=np.float64) / 257.0  # 65535 -> 255
+    elif image.mode == "F":  # float images: [0, 1] when they are fractions, else taken as 0..255
+        pixels = np.asarray(image, dtype=np.float64)
+        pixels = pixels * 255.0 if pixels.size and np.nanmax(pixels) <= 1.0 else pixels
+    else:
+        return image
+    return Image.fromarray(np.clip(np.nan_to_num(pixels), 0, 255).round().astype(np.uint8), mode="L")
 
 
 def _image_files(class_dir: Path) -> List[str]:
     """Image files under a class folder (recursively, following symlinks),
-    by extension, case-insensitive; hidden and other files are ignored."""
+    by extension, case-insensitive. Hidden files and folders, other
+    extensions and anything that is not a regular file (a FIFO would block
+    the reader forever) are ignored; a broken symlink is kept, so the
+    --bad-images policy reports it. A folder that cannot be listed stops the
+    run, naming it: silently fewer images would be a different dataset."""
     found = []
-    for folder, subfolders, files in os.walk(class_dir, followlinks=True):
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        found.extend(
-            os.path.join(folder, name) for name in sorted(files)
-            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
-        )
+    pending = [str(class_dir)]
+    seen = set()  # real paths: a symlink back up the tree must not loop forever
+    while pending:
+        folder = pending.pop()
+        if os.path.realpath(folder) in seen:
+            continue
+        seen.add(os.path.realpath(folder))
+        try:
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError as error:
+            raise UsageError(f"{folder}: cannot list the folder ({error.strerror})") from None
+        subfolders = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if _follows_to(entry, os.DirEntry.is_dir):  # os.walk order: files first, then subfolders, sorted
+                subfolders.append(entry.path)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and (_follows_to(entry, os.DirEntry.is_file) or
+                                                                     _is_broken_link(entry)):
+                found.append(entry.path)
+        pending.extend(reversed(subfolders))
     return found
+
+
+def _follows_to(entry: os.DirEntry, kind) -> bool:
+    """entry.is_dir() or .is_file(), following symlinks; False where that
+    fails (a link loop, a target that cannot be looked at)."""
+    try:
+        return kind(entry)
+    except OSError:
+        return False
+
+
+def _is_broken_link(entry: os.DirEntry) -> bool:
+    """A symlink whose target cannot be reached: missing, a loop, not permitted."""
+    if not entry.is_symlink():
+        return False
+    try:
+        os.stat(entry.path)
+        return False
+    except OSError:
+        return True
 
 
 def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
@@ -104,10 +180,13 @@ def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None) -
     folder must be one of train's classes.
     """
     try:
-        classes = sorted(entry.name for entry in os.scandir(split_dir)
-                         if entry.is_dir() and not entry.name.startswith("."))
+        entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
     except OSError as error:
         raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
+    for entry in entries:  # a class folder whose link points nowhere would shift every later class index
+        if not _follows_to(entry, os.DirEntry.is_dir) and _is_broken_link(entry):
+            raise UsageError(f"{entry.path}: class folder is a broken symbolic link (to {os.readlink(entry.path)})")
+    classes = sorted(entry.name for entry in entries if _follows_to(entry, os.DirEntry.is_dir))
     if not classes:
         raise UsageError(f"{split_dir}: no class folders (expected {split_dir}/<class>/<images>)")
     if class_to_idx is None:
@@ -136,12 +215,20 @@ class ImageFolderDataset(Dataset):
 
     With `augmentation_seed` set (training), the transform of image `index`
     in epoch `epoch` draws its randomness from derived_seed(augmentation_seed,
-    epoch, index): the same crop in whichever process or worker reads it."""
+    epoch, index): the same crop in whichever process or worker reads it.
 
-    def __init__(self, samples: Sequence[Tuple[str, int]], transform, augmentation_seed: Optional[int] = None):
+    With `skip_bad_images`, an unreadable file's sample is the next readable
+    image after it (cyclically), transformed with the unreadable index's own
+    seed and marked with that index: a function of the dataset alone, so every
+    process and epoch makes the same replacement and batches keep their size."""
+
+    def __init__(self, samples: Sequence[Tuple[str, int]], transform, augmentation_seed: Optional[int] = None,
+                 skip_bad_images: bool = False):
         self.samples = list(samples)
         self.transform = transform
         self.augmentation_seed = augmentation_seed
+        self.skip_bad_images = skip_bad_images
+        self.known_bad = set()  # indices of unreadable files met by this process or worker (see _next_readable)
         self.epoch = 0  # set by Loaders.set_epoch; data-loading workers get a copy when an epoch's iteration starts
 
     def __len__(self) -> int:
@@ -149,7 +236,15 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         path, target = self.samples[index]
-        image, file_bytes = read_rgb(path)
+        bad_index, bad_reason = -1, ""
+        try:
+            image, file_bytes = read_rgb(path)
+        except BadImageError as error:
+            if not self.skip_bad_images:
+                raise
+            self.known_bad.add(index)
+            bad_index, bad_reason = index, error.reason
+            image, target, file_bytes = self._next_readable(index)
         if self.augmentation_seed is not None:
             # torchvision's random transforms draw from torch's global generator (and user transforms
             # often from Python's): both are reseeded per image. With -j 0 this is the training
@@ -157,7 +252,50 @@ class ImageFolderDataset(Dataset):
             seed = derived_seed(self.augmentation_seed, self.epoch, index)
             torch.default_generator.manual_seed(seed)  # the CPU generator only: no per-image cost on GPUs
             random.seed(seed)
-        return Sample(self.transform(image), target, file_bytes)
+        return Sample(self.transform(image), target, file_bytes, bad_index, bad_reason)
+
+    def _next_readable(self, index: int) -> Tuple[Image.Image, int, int]:
+        # Files found unreadable by this process (or worker) are not tried again: a folder of k of
+        # them would otherwise cost k^2 attempts an epoch. Which image stands in stays the same.
+        for offset in range(1, len(self.samples)):
+            candidate = (index + offset) % len(self.samples)
+            if candidate in self.known_bad:
+                continue
+            path, target = self.samples[candidate]
+            try:
+                image, file_bytes = read_rgb(path)
+            except BadImageError:
+                self.known_bad.add(candidate)
+                continue
+            return image, target, file_bytes
+        raise BadImageError(f"{self.samples[index][0]}: no image of its split can be decoded "
+                            f"(--bad-images skip has nothing to use instead)")
+
+
+class BadImages:
+    """The unreadable images one process met in one split (--bad-images
+    skip), from the batches' markers: counted per batch on the host (the
+    markers are CPU tensors, so no device sync), listed with their reasons."""
+
+    def __init__(self, dataset: Dataset):
+        self.samples = getattr(dataset, "samples", None)
+        self.reasons: Dict[str, str] = {}
+
+    def count(self, batch: Sample) -> int:
+        """How many samples of `batch` stand in for unreadable files (noting which)."""
+        if self.samples is None or int(batch.bad_index.max()) < 0:
+            return 0
+        marked = [(index, reason) for index, reason in zip(batch.bad_index.tolist(), batch.bad_reason) if index >= 0]
+        for index, reason in marked:
+            self.reasons[self.samples[index][0]] = reason
+        return len(marked)
+
+    def gathered(self, ctx: Context) -> Dict[str, str]:
+        """Every process's list, on the primary (a collective; {} elsewhere)."""
+        merged: Dict[str, str] = {}
+        for reasons in gather_to_primary(self.reasons, ctx):
+            merged.update(reasons)
+        return dict(sorted(merged.items()))
 
 
 class SyntheticImages(Dataset):
@@ -177,7 +315,7 @@ class SyntheticImages(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> Sample:
-        return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0)
+        return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0, -1, "")
 
 
 class ShardSampler(Sampler):
@@ -312,9 +450,10 @@ def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[s
     root = Path(cfg.data)
     classes, train_samples = scan_split(root / "train")
     _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
+    skip = cfg.bad_images == "skip"
     train = ImageFolderDataset(train_samples, train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip),
-                               augmentation_seed=cfg.seed)
-    val = ImageFolderDataset(val_samples, val_transform(cfg.image_size, cfg.val_resize))
+                               augmentation_seed=cfg.seed, skip_bad_images=skip)
+    val = ImageFolderDataset(val_samples, val_transform(cfg.image_size, cfg.val_resize), skip_bad_images=skip)
     return train, val, classes
 
 

@@ -34,7 +34,7 @@ from typing import Callable, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from common.cli import STOPPED_EXIT_STATUS, Config, UsageError, error_summary, program, report
+from common.cli import NONFINITE_EXIT_STATUS, STOPPED_EXIT_STATUS, Config, UsageError, error_summary, program, report
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
@@ -126,6 +126,15 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_sum_started(tensor: torch.Tensor, ctx: Context) -> Optional[object]:
+    """Start summing `tensor` over all processes, in place, without waiting:
+    returns the operation to wait() on before reading it (None when there is
+    nothing to wait for)."""
+    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    return None
 
 
 def all_reduce_max(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -442,12 +451,35 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
                    launcher=launch.launcher, control_group=control_group)
 
 
-def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int) -> None:
-    """Join the process group, train, leave."""
+# What a collective raises when a peer process has gone (gloo, NCCL): the peer's own output says why.
+_PEER_LOSS_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                       "NCCL communicator was aborted", "remote process exited or there was a network error")
+# A spawned worker's exit status after such an error: the spawner names the worker that failed first.
+PEER_LOST_EXIT_STATUS = 4
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_LOSS_MESSAGES)
+
+
+def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int,
+                spawned: bool = False) -> None:
+    """Join the process group, train, leave. A collective broken by a peer
+    that failed is one line (under a launcher: its log is the place to look)
+    or, in a worker this script spawned, a quiet exit for the spawner to
+    report: not a second traceback beside the one that matters."""
     rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
     ctx = _join_process_group(cfg, launch, rank, local_rank)
     try:
         train(cfg, ctx)
+    except RuntimeError as error:
+        if not _lost_a_peer(error):
+            raise
+        if not spawned:
+            print(f"{program()}: error: rank {rank}: lost the connection to another process "
+                  f"({error_summary(error)}); it failed or was stopped: its output says why", file=sys.stderr,
+                  flush=True)
+        sys.exit(PEER_LOST_EXIT_STATUS)
     finally:
         dist.destroy_process_group()
 
@@ -460,7 +492,7 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     signal.signal(signal.SIGTERM, _interrupt)
     ignore_stop_signals_until_training()
     try:
-        _run_worker(train, cfg, launch, local_rank)
+        _run_worker(train, cfg, launch, local_rank, spawned=True)
     except UsageError as error:
         report(error, launch.rank_of(local_rank), local_rank)
         sys.exit(2)
@@ -558,23 +590,32 @@ def _watch(workers) -> None:
         failed = [(worker, code) for worker, code in exit_codes if code not in (None, 0, STOPPED_EXIT_STATUS)]
         running = [worker for worker, code in exit_codes if code is None]
         if failed:
-            # Of workers that ended together, name the cause: one killed by a signal (its peers then
-            # fail on the broken connection) before one that exited with an error status.
-            _report_failure(min(failed, key=lambda pair: pair[1] >= 0)[0], running)
+            _report_failure(workers, running)
     if stopped:
         sys.exit(STOPPED_EXIT_STATUS)
 
 
-def _report_failure(failed, running) -> None:
+def _first_cause(failed):
+    """Of workers that ended together, the one to name: one killed by a signal
+    before one that exited with an error status, and either before one that
+    only lost its connection to them."""
+    return min(failed, key=lambda pair: (pair[1] >= 0, pair[1] == PEER_LOST_EXIT_STATUS))[0]
+
+
+def _report_failure(workers, running) -> None:
     if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
         multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
-    _stop(running)
+    ended = [(worker, worker.exitcode) for worker in workers]
+    failed = _first_cause([(worker, code) for worker, code in ended if code not in (None, 0, STOPPED_EXIT_STATUS)])
+    _stop([worker for worker, code in ended if code is None])
     code = failed.exitcode
-    if code == 2:  # a UsageError: the worker has printed it
-        sys.exit(2)
+    if code in (2, NONFINITE_EXIT_STATUS):  # a UsageError, or a NaN loss: the worker has said it
+        sys.exit(code)
     if code == 130:
         raise KeyboardInterrupt
     how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
+    if code == PEER_LOST_EXIT_STATUS:
+        how = "lost its connection to another process (one on another node failed or was stopped?)"
     if code == -signal.SIGKILL:
         how += " (by the kernel's out-of-memory killer, if nobody sent it)"
     print(f"{program()}: error: worker {failed.name} {how}; stopped the other workers of this node",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -28,22 +29,35 @@ from torch.optim import Optimizer
 
 from common import checkpoint, preemption
 from common.checkpoint import ResumePoint
-from common.data import Loaders, derived_seed
-from common.distributed import Context, broadcast_buffers_from_primary
+from common.cli import NONFINITE_EXIT_STATUS
+from common.data import BadImages, Loaders, derived_seed
+from common.distributed import Context, all_reduce_sum_started, broadcast_buffers_from_primary
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.preemption import Decision, StopControl, TrainingStopped
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog, StepTimer
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed Python, NumPy and torch (CPU and every GPU): initialisation is a
     function of the seed (DDP copies rank 0's weights to every process);
     during training the data's randomness is seeded per image (common.data)
-    and the model's (dropout) per step (Trainer)."""
+    and the model's (dropout) per step (Trainer). On the CPU that is enough
+    for bit-identical runs. On GPUs, `deterministic` also rules out the
+    algorithms whose sums come out in a varying order: cuDNN's autotuned and
+    atomics-based convolutions, cuBLAS's split-K reductions (which need the
+    fixed workspace set here, before the first cuBLAS call) and the CUDA
+    kernels PyTorch lists as non-deterministic. Ops that have no
+    deterministic CUDA version at all (the backward of AdaptiveAvgPool2d,
+    which ResNet, VGG and AlexNet end with) warn once instead of failing."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +95,122 @@ class _Stop(Exception):
         self.where = where  # "epoch E step S/N": where every process stopped
 
 
+class TrainingDiverged(SystemExit):
+    """Raised on every process after a non-finite loss (see LossGuard): the
+    process exits with NONFINITE_EXIT_STATUS, without writing a checkpoint."""
+
+    def __init__(self):
+        super().__init__(NONFINITE_EXIT_STATUS)
+
+
+class _NonFinite(Exception):
+    """Unwinds from the training loop to fit(): the message says where."""
+
+
+class LossGuard:
+    """Watches for a NaN or inf training loss on any process. Each step's
+    flag is summed over processes, so every process sees the same answer
+    and acts alike.
+
+    With no tolerance (the default) the flag of step S is read during step
+    S + 1, after that step's forward pass is queued; on a GPU it travels to
+    the host by an asynchronous copy that was queued right behind it, so the
+    read does not wait for the device and the device never waits for the
+    host. Step S's update has then been applied, but those weights are
+    never saved (settle() runs before every checkpoint) and the run stops:
+    the last good checkpoint stays the newest. With a tolerance of N, the
+    flag is read before the update (the host waits for the forward pass
+    every step), so up to N bad steps are skipped, their updates never applied."""
+
+    def __init__(self, ctx: Context, tolerance: int = 0):
+        self.ctx = ctx
+        self.tolerance = tolerance
+        self.skipped = 0  # bad steps skipped by this process so far
+        self._pending = None  # (flags, reduction, copied, epoch, step, lr) of the step not yet checked
+
+    def allows_update(self, loss: torch.Tensor, epoch: int, step: int, lr: float) -> bool:
+        """Note this step's loss; False when its update must be skipped.
+        Raises _NonFinite for a bad step that is not tolerated (this one's
+        with a tolerance, else the previous one's)."""
+        loss = loss.detach().float()
+        flags = torch.stack([loss.isnan(), loss.isinf()]).to(torch.float32)  # processes with a NaN, an inf loss
+        reduction = all_reduce_sum_started(flags, self.ctx)
+        copied = None
+        if flags.is_cuda:
+            if reduction is not None:
+                reduction.wait()  # NCCL: orders the device stream after the sum; the host does not wait
+                reduction = None
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            flags = host
+        checked = (flags, reduction, copied, epoch, step, lr)
+        if not self.tolerance:
+            checked, self._pending = self._pending, checked
+            self._raise_if_bad(checked)
+            return True
+        problem = self._problem(checked)
+        if problem is None:
+            return True
+        self.skipped += 1
+        if self.skipped > self.tolerance:
+            raise _NonFinite(f"{problem}, more than --max-nonfinite-steps {self.tolerance}")
+        return False
+
+    def buffers_before(self, model: nn.Module) -> Optional[list]:
+        """With a tolerance: copies of the model's buffers, to undo what a
+        skipped step's forward pass did to them (BatchNorm's running
+        statistics would keep a NaN for good). Buffers are small next to the
+        weights (ResNet-50: 0.2 MB of 98 MB)."""
+        return [buffer.detach().clone() for buffer in model.buffers()] if self.tolerance else None
+
+    @staticmethod
+    def restore_buffers(model: nn.Module, saved: list) -> None:
+        with torch.no_grad():
+            for buffer, before in zip(model.buffers(), saved):
+                buffer.copy_(before)
+
+    def check_weights(self, model: nn.Module, where: str) -> None:
+        """Before a checkpoint: the weights and buffers are finite on every
+        process (a finite loss can still have non-finite gradients)."""
+        tensors = [tensor for tensor in (*model.parameters(), *model.buffers()) if tensor.is_floating_point()]
+        if not tensors:
+            return
+        bad = torch.stack([~torch.isfinite(tensor).all() for tensor in tensors]).sum().to(torch.float32).reshape(1)
+        reduction = all_reduce_sum_started(bad, self.ctx)
+        if reduction is not None:
+            reduction.wait()
+        if bad.item():
+            raise _NonFinite(f"{where}: {int(bad.item())} weight or buffer tensor(s) are not finite on some "
+                             f"process, although the losses were")
+
+    def settle(self) -> None:
+        """Check the step not yet checked (before a checkpoint, and at an epoch's end)."""
+        checked, self._pending = self._pending, None
+        self._raise_if_bad(checked)
+
+    def _raise_if_bad(self, checked) -> None:
+        problem = self._problem(checked)
+        if problem is not None:
+            raise _NonFinite(problem)
+
+    def _problem(self, checked) -> Optional[str]:
+        if checked is None:
+            return None
+        flags, reduction, copied, epoch, step, lr = checked
+        if reduction is not None:  # gloo
+            reduction.wait()
+        if copied is not None:
+            copied.synchronize()
+        nans, infs = (int(count) for count in flags.tolist())
+        if not nans and not infs:
+            return None
+        kinds = " and ".join(f"{kind} on {count} of {self.ctx.world_size} process(es)"
+                             for kind, count in (("NaN", nans), ("inf", infs)) if count)
+        return f"epoch {epoch} step {step}: the training loss is {kinds} (lr {lr:g})"
+
+
 @dataclasses.dataclass
 class Trainer:
     model: nn.Module  # as the script wrapped it (plain, DataParallel or DDP)
@@ -94,6 +224,7 @@ class Trainer:
     channels_last: bool = False
     steps_per_epoch: int = 0  # 0: whole epochs
     warmup_steps: int = 10  # first steps of each split left out of the throughput figures
+    max_nonfinite_steps: int = 0  # NaN/inf-loss steps skipped before the run stops (see LossGuard)
     # Signals, stops and periodic checkpoints; NoStops: none of them (a Trainer used on its own).
     control: StopControl = dataclasses.field(default_factory=preemption.NoStops)
     # Set by fit(): what checkpoints record besides the training state, and where the last one is.
@@ -102,8 +233,13 @@ class Trainer:
     _best_acc1: float = dataclasses.field(default=float("-inf"), init=False)
     _best_epoch: Optional[int] = dataclasses.field(default=None, init=False)
     _steps_since_checkpoint: int = dataclasses.field(default=0, init=False)
-    _last_checkpoint: Optional[Path] = dataclasses.field(default=None, init=False)
+    _last_checkpoint: Optional[Path] = dataclasses.field(default=None, init=False)  # on the primary
+    _checkpoint_written: bool = dataclasses.field(default=False, init=False)  # the same on every process
     _trained: Optional[tuple] = dataclasses.field(default=None, init=False)  # (steps, images done, _PartialEpoch)
+    _guard: Optional[LossGuard] = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self):
+        self._guard = LossGuard(self.ctx, self.max_nonfinite_steps)
 
     def _to_device(self, images: torch.Tensor, target: torch.Tensor):
         images = images.to(self.ctx.device, non_blocking=True)
@@ -124,43 +260,55 @@ class Trainer:
         sums = MetricSums(self.ctx.device)
         progress = self.log.progress_meter("train", epoch, steps, first_step=step_numbers.start)
         timer = StepTimer(len(step_numbers), self.warmup_steps, self.ctx.devices)
+        bad_images = BadImages(loaders.train.dataset)
         batches = iter(loaders.train)
         lr = None
         for step in step_numbers:
             decision = self.control.step(epoch * steps + step)
             if decision.checkpoint or decision.stop:
+                self._guard.settle()  # never a checkpoint of weights a non-finite loss has touched
                 with timer.paused():
-                    partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx))
+                    partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
                     path = self._save_mid_epoch(epoch, step, images_done + (step - step_numbers.start) *
                                                 loaders.global_batch, partial, steps, stopping=decision.stop)
                 if decision.stop:
                     raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}")
-            images, target, file_bytes = next(batches)
+            batch = next(batches)
             timer.batch_ready()
-            images, target = self._to_device(images, target)
+            images, target = self._to_device(batch.image, batch.target)
             # Dropout (and any other randomness in the model) draws from a seed of this step: the same
             # in a run resumed here as in one that never stopped.
             torch.manual_seed(derived_seed(loaders.seed, epoch, step, self.ctx.rank))
             lr = self.schedule.lr(epoch, step, steps)
             set_lr(self.optimizer, lr)
+            buffers = self._guard.buffers_before(self.model)
             with self.precision.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, target)
-            self.precision.backward_and_step(loss, self.optimizer)
-            sums.add(loss, logits, target, file_bytes=int(file_bytes.sum()), timed=timer.timing)
+            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
+            if self._guard.allows_update(loss, epoch, step, lr):
+                self.precision.backward_and_step(loss, self.optimizer)
+                sums.add(loss, logits, target, timed=timer.timing, **files)
+            else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
+                self._guard.restore_buffers(self.model, buffers)
+                self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
+                              f"({self._guard.skipped} of --max-nonfinite-steps {self.max_nonfinite_steps})")
+                sums.add_files(**files)
             self._steps_since_checkpoint += 1
             if self._should_print(step, steps):  # the one host sync per interval
                 status = self.precision.status()
                 progress.show(step, sums.totals(), timer, lr, status)
                 self.log.explain_skipped_steps(status)
             timer.step_done()
+        self._guard.settle()
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
+        bad_files = self._report_bad_images(epoch, "train", totals, bad_images, before.bad_files)
         timing = timer.finish(self.ctx, before.timing)
         if lr is None and steps:  # every step ran before the checkpoint this run resumed from
             lr = self.schedule.lr(epoch, steps - 1, steps)
         # Where training stands, should a stop come before validation ends (see fit).
         self._trained = (steps, images_done + len(step_numbers) * loaders.global_batch,
-                         _PartialEpoch(totals=totals, timing=timing))
+                         _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
         return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                         self.precision.status())
 
@@ -169,7 +317,7 @@ class Trainer:
         """The checkpoint at step `step` of `epoch` (primary only): its path,
         or the previous one's when no step has run since (a stop right after a
         checkpoint)."""
-        if self._steps_since_checkpoint == 0 and self._last_checkpoint is not None:
+        if self._steps_since_checkpoint == 0 and self._checkpoint_written:  # decided alike on every process
             return self._last_checkpoint
         try:
             path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
@@ -185,7 +333,8 @@ class Trainer:
 
     def _save(self, epoch: int, step: int, images_done: int, partial_epoch: Optional[dict],
               is_best: bool) -> Optional[Path]:
-        self._steps_since_checkpoint = 0
+        self._guard.check_weights(self.model, f"the checkpoint at epoch {epoch} step {step}")  # a collective
+        self._steps_since_checkpoint, self._checkpoint_written = 0, True
         if not self.log.is_primary:
             return None
         facts = self._facts
@@ -217,21 +366,42 @@ class Trainer:
         # The primary's shard is the largest (ShardSampler): its step count decides everyone's warm-up.
         primary_steps = math.ceil(math.ceil(len(loader.dataset) / self.ctx.world_size) / loader.batch_size)
         timer = StepTimer(primary_steps, self.warmup_steps, self.ctx.devices)
-        for step, (images, target, file_bytes) in enumerate(loader):
+        bad_images = BadImages(loader.dataset)
+        for step, batch in enumerate(loader):
             timer.batch_ready()
-            images, target = self._to_device(images, target)
-            with self.precision.autocast():
-                logits = model(images)
-                loss = self.criterion(logits, target)
-            sums.add(loss, logits, target, file_bytes=int(file_bytes.sum()), timed=timer.timing)
+            images, target = batch.image, batch.target
+            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
+            if files["bad_images"]:  # stand-ins for unreadable files: validation counts each readable image once
+                readable = batch.bad_index < 0
+                images, target = images[readable], target[readable]
+            if len(target):
+                images, target = self._to_device(images, target)
+                with self.precision.autocast():
+                    logits = model(images)
+                    loss = self.criterion(logits, target)
+                sums.add(loss, logits, target, timed=timer.timing, **files)
+            else:
+                sums.add_files(**files)
             if self._should_print(step, steps):
                 progress.show(step, sums.totals(), timer, None)
             timer.step_done()
         totals = sums.totals(self.ctx)
+        self._report_bad_images(epoch, "val", totals, bad_images)
         report = sums.class_report(self.ctx)
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1)
         return metrics, report
+
+    def _report_bad_images(self, epoch: int, split: str, totals: MetricTotals, bad_images: BadImages,
+                           earlier: tuple = ()) -> tuple:
+        """Log the split's unreadable files, with those `earlier` in the epoch
+        (before the checkpoint this run resumed from); returns them all
+        (on the primary) as (path, reason) pairs."""
+        if not totals.bad_images:  # summed over processes: every process takes this branch, or none
+            return ()
+        files = {**dict(earlier), **bad_images.gathered(self.ctx)}
+        self.log.bad_images(epoch, split, totals.bad_images, files)
+        return tuple(files.items())
 
     def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, facts: RunFacts,
             desired_acc: Optional[float] = None) -> FitResult:
@@ -244,6 +414,7 @@ class Trainer:
         self._facts, self._classes = facts, loaders.classes
         self._best_acc1, self._best_epoch = start.best_acc1, start.best_epoch
         self._steps_since_checkpoint, self._last_checkpoint = 0, Path(start.path) if start.path else None
+        self._checkpoint_written = start.path is not None
         fit_start = time.perf_counter()
         epochs_run = 0
         if start.start_epoch >= epochs:
@@ -273,6 +444,8 @@ class Trainer:
                         raise _Stop(decision, path, f"the end of epoch {epoch}")
         except _Stop as stop:
             self._stopped(stop, fit_start, epochs_run)
+        except _NonFinite as problem:
+            self._diverged(str(problem), fit_start, epochs_run)
         result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
                            best_acc1=self._best_acc1, best_epoch=self._best_epoch)
         self.log.finish(result)
@@ -295,29 +468,52 @@ class Trainer:
         raise TrainingStopped(decision.signal_name)
 
 
+    def _diverged(self, problem: str, fit_start: float, epochs_run: int) -> None:
+        """After a non-finite loss, on every process at the same step: say
+        where and what to do, write nothing more, exit with NONFINITE_EXIT_STATUS."""
+        self.control.ignore_signals()
+        if self._last_checkpoint is not None:
+            what_now = (f"the weights since then are not saved and the last good checkpoint is {self._last_checkpoint} "
+                        f"(continue from it with --resume and a lower --lr or more --warmup-epochs)")
+        else:
+            what_now = "no checkpoint was written before it (start again with a lower --lr or more --warmup-epochs)"
+        self.log.info(f"stopping: {problem}; {what_now}")
+        self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
+                                  best_acc1=self._best_acc1, best_epoch=self._best_epoch), stopped=True)
+        self.control.barrier()  # the primary's line is out before any launcher stops the job at an exit
+        raise TrainingDiverged()
+
+
 @dataclasses.dataclass(frozen=True)
 class _PartialEpoch:
     """The training split's sums and timing over all processes, up to a
     mid-epoch checkpoint: the resumed epoch adds its own, so its metrics row
-    counts every step once."""
+    counts every step once; and the unreadable files met so far (--bad-images
+    skip; on the primary), so bad_images.csv lists them too."""
 
     totals: MetricTotals = MetricTotals(loss_sum=0.0, top1_correct=0, top5_correct=0, count=0)
     timing: SplitTiming = SplitTiming(steps=0, warmup_steps=0, seconds=0.0, timed_seconds=0.0, data_wait_seconds=0.0,
                                       all_timed_seconds=0.0)
+    bad_files: tuple = ()  # (path, reason) pairs
 
     @staticmethod
-    def measure(sums: MetricSums, timer: StepTimer, ctx: Context) -> "_PartialEpoch":
+    def measure(sums: MetricSums, timer: StepTimer, ctx: Context, bad_images: BadImages) -> "_PartialEpoch":
         """This part's figures (a collective: every process calls it at the same step)."""
-        return _PartialEpoch(totals=sums.totals(ctx), timing=timer.finish(ctx))
+        totals = sums.totals(ctx)
+        bad_files = tuple(bad_images.gathered(ctx).items()) if totals.bad_images else ()
+        return _PartialEpoch(totals=totals, timing=timer.finish(ctx), bad_files=bad_files)
 
     def plus(self, other: "_PartialEpoch") -> "_PartialEpoch":
-        return _PartialEpoch(totals=self.totals.plus(other.totals), timing=self.timing.plus(other.timing))
+        return _PartialEpoch(totals=self.totals.plus(other.totals), timing=self.timing.plus(other.timing),
+                             bad_files=tuple({**dict(self.bad_files), **dict(other.bad_files)}.items()))
 
     def to_dict(self) -> dict:
-        return {"totals": dataclasses.asdict(self.totals), "timing": dataclasses.asdict(self.timing)}
+        return {"totals": dataclasses.asdict(self.totals), "timing": dataclasses.asdict(self.timing),
+                "bad_files": [list(pair) for pair in self.bad_files]}
 
     @staticmethod
     def from_dict(saved: Optional[dict]) -> "_PartialEpoch":
         if not saved:
             return _PartialEpoch()
-        return _PartialEpoch(totals=MetricTotals(**saved["totals"]), timing=SplitTiming(**saved["timing"]))
+        return _PartialEpoch(totals=MetricTotals(**saved["totals"]), timing=SplitTiming(**saved["timing"]),
+                             bad_files=tuple(tuple(pair) for pair in saved.get("bad_files", ())))

@@ -57,6 +57,7 @@ class MetricSums:
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.timed_count = 0
         self.file_bytes = 0
+        self.bad_images = 0
         self.num_classes = num_classes
         self.class_counts = torch.zeros(3, num_classes, dtype=torch.int64, device=device) if num_classes else None
         keep_matrix = 0 < num_classes <= self.CONFUSION_MAX_CLASSES
@@ -64,9 +65,10 @@ class MetricSums:
         self.confusion = torch.zeros(num_classes ** 2, dtype=torch.int64, device=device) if keep_matrix else None
 
     def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, *, file_bytes: int = 0,
-            timed: bool = True) -> None:
+            bad_images: int = 0, timed: bool = True) -> None:
         """Add one batch: `loss_mean` is the criterion's mean over the batch;
-        `timed`: the batch counts for throughput (it is past the warm-up)."""
+        `timed`: the batch counts for throughput (it is past the warm-up);
+        `bad_images`: unreadable files met in it (see data.BadImages)."""
         count = target.size(0)
         logits = logits.detach()
         top = _top_classes(logits, 5)
@@ -74,7 +76,7 @@ class MetricSums:
         self.sums[self.TOP1:self.COUNT] += _hits(top, target, (1, 5), logits.size(1))
         self.sums[self.COUNT] += count
         self.timed_count += count if timed else 0
-        self.file_bytes += file_bytes
+        self.add_files(file_bytes, bad_images)
         if self.class_counts is not None:
             predicted = top[:, 0]
             ones = torch.ones_like(target)
@@ -84,16 +86,22 @@ class MetricSums:
             if self.confusion is not None:
                 self.confusion.scatter_add_(0, target * self.num_classes + predicted, ones)
 
+    def add_files(self, file_bytes: int = 0, bad_images: int = 0) -> None:
+        """Count a batch's reads, also of one that adds nothing else (a skipped step)."""
+        self.file_bytes += file_bytes
+        self.bad_images += bad_images
+
     def totals(self, ctx: Optional[Context] = None) -> "MetricTotals":
         """The sums as Python numbers; with `ctx`, summed over all processes
         first (a collective: every process must call it)."""
-        host = torch.tensor([self.timed_count, self.file_bytes], dtype=torch.float64, device=self.sums.device)
+        host = torch.tensor([self.timed_count, self.file_bytes, self.bad_images], dtype=torch.float64,
+                            device=self.sums.device)
         sums = torch.cat([self.sums, host])  # one reduction for all: float64 counts bytes exactly up to 2**53
         if ctx is not None:
             all_reduce_sum(sums, ctx)
-        loss_sum, top1, top5, count, timed_count, file_bytes = sums.tolist()
+        loss_sum, top1, top5, count, timed_count, file_bytes, bad_images = sums.tolist()
         return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count),
-                            timed_count=int(timed_count), file_bytes=int(file_bytes))
+                            timed_count=int(timed_count), file_bytes=int(file_bytes), bad_images=int(bad_images))
 
     def class_report(self, ctx: Context) -> "ClassReport":
         """The per-class report over all processes (a collective; needs num_classes)."""
@@ -114,6 +122,7 @@ class MetricTotals:
     count: int
     timed_count: int = 0  # images after the warm-up steps
     file_bytes: int = 0  # read from image files
+    bad_images: int = 0  # samples standing in for unreadable image files (--bad-images skip)
 
     @property
     def loss(self) -> float:
@@ -196,6 +205,7 @@ class SplitTiming:
     data_wait_seconds: float  # waiting for the next batch after the warm-up, all processes summed
     all_timed_seconds: float  # timed_seconds of all processes summed
     peak_memory_mib: Optional[float] = None
+    host_memory_mib: Optional[float] = None  # resident memory of the training process at the end, max over processes
 
     @property
     def data_wait_fraction(self) -> float:
@@ -209,7 +219,9 @@ class SplitTiming:
                            seconds=self.seconds + other.seconds, timed_seconds=self.timed_seconds + other.timed_seconds,
                            data_wait_seconds=self.data_wait_seconds + other.data_wait_seconds,
                            all_timed_seconds=self.all_timed_seconds + other.all_timed_seconds,
-                           peak_memory_mib=max(peaks) if peaks else None)
+                           peak_memory_mib=max(peaks) if peaks else None,
+                           host_memory_mib=other.host_memory_mib if other.host_memory_mib is not None
+                           else self.host_memory_mib)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +249,8 @@ class EpochMetrics:
     peak_memory_mib: Optional[float] = None  # max over processes; see telemetry.peak_memory_mib
     dataset_bytes: Optional[int] = None  # read from image files by all processes during the split
     macro_f1: Optional[float] = None  # percent, validation only
+    bad_images: Optional[int] = None  # unreadable image files met (--bad-images skip; listed in bad_images.csv)
+    host_memory_mib: Optional[float] = None  # training process's resident memory at the split's end, max over processes
 
     @staticmethod
     def from_totals(epoch: int, split: str, totals: MetricTotals, timing: SplitTiming, replicas: int,
@@ -255,5 +269,6 @@ class EpochMetrics:
             skipped_steps=(precision_status or {}).get("skipped_steps"),
             images_per_second_per_gpu=images_per_second / replicas,
             warmup_steps=timing.warmup_steps, peak_memory_mib=timing.peak_memory_mib,
-            dataset_bytes=totals.file_bytes, macro_f1=macro_f1,
+            dataset_bytes=totals.file_bytes, macro_f1=macro_f1, bad_images=totals.bad_images,
+            host_memory_mib=timing.host_memory_mib,
         )

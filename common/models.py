@@ -57,6 +57,23 @@ def _check_input_size(arch: str, num_classes: int, image_size: int, kwargs: dict
                          f"({error_summary(error)})") from None
 
 
+def check_one_image_per_step(arch: str, image_size: int) -> None:
+    """-b 1 in training: BatchNorm cannot normalise a feature map of one
+    value per channel (a 1x1 map of one image), which small images reach in
+    most architectures. Checked on the meta device, in training mode."""
+    try:
+        with torch.device("meta"):
+            twin = torchvision.models.get_model(arch, weights=None, **_input_size_kwargs(arch, image_size))
+            twin.train()(torch.empty(1, 3, image_size, image_size))
+    except ValueError as error:  # "Expected more than 1 value per channel when training"
+        if "value per channel" in str(error):
+            raise UsageError(f"argument -b/--batch-size: one image per step is too few for {arch} at {image_size}-"
+                             f"pixel images ({error_summary(error)}); use -b 2 or more, or a larger --image-size"
+                             ) from None
+    except Exception:  # an image size it cannot take at all, or an op without a meta version: told elsewhere
+        return
+
+
 def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224,
                 dropout: Optional[float] = None) -> nn.Module:
     """A torchvision classifier with `num_classes` outputs for square
@@ -80,6 +97,8 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    if cached.is_file():
+        _refuse_code(cached)
     try:
         model = torchvision.models.get_model(arch, weights=weights, **aux_off, **dropout_kwargs)
     except Exception as error:  # no network, proxy refusal, partial download: all end the same way
@@ -90,6 +109,20 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     if num_classes != len(weights.meta["categories"]):
         _replace_last_linear(model, num_classes)
     return model
+
+
+def _refuse_code(path: Path) -> None:
+    """torch.hub loads the cached weights file with the full unpickler, which
+    runs whatever code a pickle names; a file copied in from elsewhere is read
+    here first with weights_only=True, which allows only tensors and plain
+    containers. A file that passes holds nothing else, so the full load that
+    follows runs no code either. (A file torchvision downloads itself comes
+    from its own URL, checked against the hash in its name.)"""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise UsageError(f"argument --pretrained: {path} is not a plain weights file ({error_summary(error)}); "
+                         f"delete it (it is downloaded again) or copy in the file torchvision publishes") from None
 
 
 def _replace_last_linear(model: nn.Module, num_classes: int) -> None:

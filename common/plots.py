@@ -37,7 +37,8 @@ from common.cli import UsageError, run as run_cli  # noqa: E402
 # metrics.csv columns in order; older run directories lack those after skipped_steps (read as NaN).
 METRIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "seconds", "images_per_second",
                   "seconds_per_step", "data_wait_fraction", "lr", "wall_time", "loss_scale", "skipped_steps",
-                  "images_per_second_per_gpu", "warmup_steps", "peak_memory_mib", "dataset_bytes", "macro_f1"]
+                  "images_per_second_per_gpu", "warmup_steps", "peak_memory_mib", "dataset_bytes", "macro_f1",
+                  "bad_images", "host_memory_mib"]
 # TensorBoard tag -> column of Run.epochs. A CSV export names the tag with "_" for "/".
 TAG_COLUMNS = {"Top1/train": "train_top1", "Top1/val": "val_top1", "Top5/train": "train_top5",
                "Top5/val": "val_top5", "Loss/train": "train_loss", "Loss/val": "val_loss",

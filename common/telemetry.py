@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import resource
@@ -49,7 +50,7 @@ import torchvision
 
 from common.checkpoint import (BEST_NAME, CHECKPOINT_NAME, ResumePoint, auto_run_name, kept_checkpoints,
                                position_of)
-from common.cli import Config, UsageError
+from common.cli import Config, UsageError, one_line
 from common.distributed import Context, all_reduce_max, all_reduce_sum, broadcast_from_primary, gather_to_primary
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
 
@@ -65,11 +66,14 @@ _SCALARS = {
               "Data/wait_fraction": "data_wait_fraction", "Lr": "lr",
               "Amp/loss_scale": "loss_scale", "Amp/skipped_steps": "skipped_steps",
               "Throughput/train_per_gpu": "images_per_second_per_gpu", "Memory/peak_mib": "peak_memory_mib",
-              "IO/dataset_bytes_train": "dataset_bytes"},
+              "IO/dataset_bytes_train": "dataset_bytes", "Data/bad_images_train": "bad_images",
+              "Memory/host_mib": "host_memory_mib"},
     "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5",
             "Throughput/val": "images_per_second", "Time/val": "seconds_per_step", "F1/val_macro": "macro_f1",
-            "Data/wait_fraction_val": "data_wait_fraction", "IO/dataset_bytes_val": "dataset_bytes"},
+            "Data/wait_fraction_val": "data_wait_fraction", "IO/dataset_bytes_val": "dataset_bytes",
+            "Data/bad_images_val": "bad_images"},
 }
+BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
 
 
 # --- timing, memory and I/O ---
@@ -88,6 +92,18 @@ def peak_memory_mib(devices: List[torch.device]) -> float:
         return max(torch.cuda.max_memory_allocated(device) for device in devices) / MIB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def host_memory_mib() -> float:
+    """This process's resident memory now (data-loading workers not
+    included), from /proc; NaN where there is none. Unlike the peak it can
+    fall, so a leak shows as growth from epoch to epoch."""
+    try:
+        with open("/proc/self/statm") as handle:
+            resident_pages = int(handle.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
 
 
 class StepTimer:
@@ -150,7 +166,9 @@ class StepTimer:
         from, which the result includes (each part left out its own warm-up)."""
         now = time.perf_counter()
         timed_seconds = now - self.timed_start if self.timing else 0.0  # nothing is timed before the warm-up ends
-        peak = all_reduce_max(torch.tensor([peak_memory_mib(self.devices)], device=ctx.device), ctx).item()
+        memory = torch.tensor([peak_memory_mib(self.devices), host_memory_mib()], dtype=torch.float64,
+                              device=ctx.device)
+        peak, host_memory = all_reduce_max(memory, ctx).tolist()
         # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
         waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
         wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
@@ -158,7 +176,8 @@ class StepTimer:
         timing = SplitTiming(steps=self.completed, warmup_steps=min(self.warmup_steps, self.completed),
                              seconds=now - self.start,
                              timed_seconds=timed_seconds, data_wait_seconds=wait_seconds,
-                             all_timed_seconds=all_timed_seconds, peak_memory_mib=peak)
+                             all_timed_seconds=all_timed_seconds, peak_memory_mib=peak,
+                             host_memory_mib=host_memory)
         return timing.plus(before) if before is not None else timing
 
 
@@ -391,6 +410,39 @@ def _run_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
             return run_dir, False
 
 
+# Room for the logs besides the checkpoints: metrics, TensorBoard events, reports (a 90-epoch ImageNet run
+# writes a few MiB).
+LOG_ROOM_BYTES = 64 * MIB
+
+
+def _check_room(run_dir: Path, resuming: bool, keep: int, checkpoint_bytes: Optional[int]) -> None:
+    """Before training: the run directory is writable and its file system
+    has room for the checkpoints to come, less those already there: the
+    --keep-checkpoints files, the one being written before the oldest is
+    deleted, and model_best.pth.tar, whose link keeps an otherwise deleted
+    file on disk. A run that fails at its first checkpoint hours in wastes
+    them. A new run's (still empty) directory is removed again when it fails."""
+    try:
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
+        if checkpoint_bytes is None:
+            return
+        existing = len(kept_checkpoints(run_dir)) if resuming else 0
+        files = max(1, keep + 2 - existing)
+        needed = files * checkpoint_bytes + LOG_ROOM_BYTES
+        free = shutil.disk_usage(run_dir).free
+        if free < needed:
+            raise UsageError(f"argument --logdir: {_format_bytes(free)} free where {run_dir} is; this run needs "
+                             f"about {_format_bytes(needed)} ({files} more checkpoint files of "
+                             f"{_format_bytes(checkpoint_bytes)} with --keep-checkpoints {keep}, and its logs): "
+                             f"free some, lower --keep-checkpoints or choose another --logdir")
+    except UsageError:
+        if not resuming:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if still empty: nothing written is ever removed
+        raise
+
+
 def _preserve(source: Path, destination: Path) -> None:
     """Keep `source`'s current content at `destination`: a hard link where the
     file system allows (files here are replaced by rename, never rewritten in
@@ -538,6 +590,7 @@ class RunLog:
         if self.is_primary:
             try:
                 run_dir, resuming = _run_directory(cfg, self.ctx)
+                _check_room(run_dir, resuming, cfg.keep_checkpoints, resolved.get("checkpoint_bytes"))
             except UsageError as error:
                 failure = str(error)
         failure = broadcast_from_primary(failure, self.ctx)
@@ -677,6 +730,30 @@ class RunLog:
         self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
                   f"macro-F1 {val.macro_f1:.2f}%  | {val.images} images in {val.seconds:.1f} s  "
                   f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})")
+
+    def bad_images(self, epoch: int, split: str, count: int, reasons: Dict[str, str]) -> None:
+        """--bad-images skip: say how many unreadable images the split met, and
+        list each file once in the run directory's bad_images.csv. `reasons`:
+        every process's files (see data.BadImages); primary only."""
+        if not self.is_primary:
+            return
+        what = "replaced by the next readable image" if split == "train" else "left out of the metrics"
+        files = [f"{file} ({reason})" for file, reason in reasons.items()]
+        if self.run_dir is not None:
+            path = self.run_dir / "bad_images.csv"
+            listed = set()
+            if path.is_file():
+                with open(path, newline="") as handle:
+                    listed = {row["path"] for row in csv.DictReader(handle)}
+            _append_rows(path, BAD_IMAGE_COLUMNS, [
+                {"path": file, "split": split, "first_epoch": epoch, "reason": reason}
+                for file, reason in reasons.items() if file not in listed])
+            where = f"e.g. {files[0]}; all listed in {path}" if files else f"listed in {path}"
+        else:
+            shown = 5
+            where = "; ".join(files[:shown]) + (f"; and {len(files) - shown} more" if len(files) > shown else "")
+        self.info(one_line(f"epoch {epoch} {split}: {count} unreadable image file(s) {what} "
+                           f"(--bad-images skip): {where}"))
 
     def evaluation(self, val: EpochMetrics, report: ClassReport, classes: List[str],
                    report_dir: Optional[str] = None) -> None:

@@ -31,6 +31,17 @@ def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, va
     return root
 
 
+class RunsCode:
+    """A pickle payload that would create the file `marker` when unpickled:
+    what a malicious checkpoint or weights file holds."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mknod, (self.marker,))
+
+
 @pytest.fixture
 def tiny_data(tmp_path: Path) -> Path:
     return make_image_folder(tmp_path / "data")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.cli import UsageError, parse
-from conftest import FAST_ARGS, make_image_folder, run_script
+from conftest import FAST_ARGS, RunsCode, make_image_folder, run_script
 
 
 def assert_usage_error(result, *fragments):
@@ -110,7 +110,7 @@ def test_pretrained_weights_unavailable_offline(tmp_path):
     # An empty hub cache and a proxy that refuses at once: the download cannot succeed.
     offline = {"TORCH_HOME": str(tmp_path / "torch-home"), "https_proxy": "http://127.0.0.1:9",
                "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
-    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-b", "1", "--pretrained"], env_extra=offline, timeout=120)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-b", "2", "--pretrained"], env_extra=offline, timeout=120)
     assert_usage_error(result, "--pretrained", "resnet18", str(tmp_path / "torch-home"), "download.pytorch.org")
 
 
@@ -154,3 +154,57 @@ def test_report_dir_never_overwrites_an_earlier_report(tmp_path):
     with pytest.raises(UsageError, match=r"\-\-report\-dir: .*val_report.csv exists"):
         parse("nd", ["--synthetic", "--evaluate", "--report-dir", str(tmp_path)])
     assert (tmp_path / "val_report.csv").read_text() == "an earlier report"
+
+
+def _hub_weights_file(torch_home, arch="resnet18"):
+    import torchvision
+    from urllib.parse import urlparse
+
+    url = torchvision.models.get_model_weights(arch).DEFAULT.url
+    folder = torch_home / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    return folder / os.path.basename(urlparse(url).path)
+
+
+def test_cached_pretrained_weights_that_would_run_code_are_refused_without_running_it(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    cached = _hub_weights_file(tmp_path / "torch-home")
+    marker = tmp_path / "pwned"
+    torch.save({"conv1.weight": torch.zeros(1), "payload": RunsCode(str(marker))}, cached)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--pretrained", "--logdir", tmp_path / "runs"],
+                        env_extra={"TORCH_HOME": str(tmp_path / "torch-home")})
+    assert_usage_error(result, f"argument --pretrained: {cached} is not a plain weights file")
+    assert not marker.exists() and not (tmp_path / "runs").exists()
+
+
+def test_cached_plain_pretrained_weights_load(tmp_path):
+    import torchvision
+
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    cached = _hub_weights_file(tmp_path / "torch-home")
+    torch.manual_seed(7)
+    source = torchvision.models.resnet18()
+    torch.save(source.state_dict(), cached)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--pretrained", "--evaluate", "-b", "2"],
+                        env_extra={"TORCH_HOME": str(tmp_path / "torch-home")})
+    assert result.returncode == 0, result.stderr
+    assert "validation: loss" in result.stdout
+
+
+def test_one_image_per_step_that_batchnorm_cannot_take(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-b", "1", "--logdir", tmp_path / "runs"])
+    assert_usage_error(result, "argument -b/--batch-size: one image per step is too few for resnet18 at 32-pixel "
+                               "images", "use -b 2 or more")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_crafted_checkpoint_is_refused_by_resume_and_evaluate_without_running_it(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "downloaded.pth.tar"
+    torch.save({"state_dict": {}, "epoch": 3, "payload": RunsCode(str(marker))}, evil)
+    for extra in ([], ["--evaluate"]):
+        result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--resume", evil, *extra, "--logdir", tmp_path / "r"])
+        assert_usage_error(result, f"argument --resume: {evil} is not a readable checkpoint")
+        assert not marker.exists() and not (tmp_path / "r").exists()

@@ -8,16 +8,7 @@ import torchvision
 from common import checkpoint
 from common.cli import UsageError, parse
 from common.distributed import single_process
-
-
-class RunsCode:
-    """A pickle payload that would create a file when unpickled."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.mknod, (self.marker,))
+from conftest import RunsCode
 
 
 def test_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):

@@ -79,7 +79,7 @@ def test_shard_sampler_counts_every_index_exactly_once(length, world_size):
 
 
 def _batches(loader, count=None):
-    return [(images.clone(), target.clone()) for images, target, _ in list(loader)[:count]]
+    return [(images.clone(), target.clone()) for images, target, *_ in list(loader)[:count]]
 
 
 def test_epoch_order_and_augmentation_depend_only_on_seed_and_epoch(tmp_path):
@@ -204,7 +204,7 @@ def test_synthetic_loaders_need_no_disk():
     assert len(loaders.train.dataset) == data.IMAGENET_TRAIN_IMAGES
     assert len(loaders.val.dataset) == data.SYNTHETIC_VAL_BATCHES * 8
     assert loaders.num_classes == 1000
-    images, target, _ = next(iter(loaders.val))
+    images, target, *_ = next(iter(loaders.val))
     assert images.shape == (8, 3, 16, 16) and target.tolist() == list(range(8))
 
 

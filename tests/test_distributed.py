@@ -183,3 +183,12 @@ def test_of_workers_ending_together_the_one_killed_by_a_signal_is_named(capsys):
     with pytest.raises(SystemExit):
         distributed._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
     assert "worker rank1 was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_the_worker_named_for_a_failure_is_the_cause_not_a_peer_that_lost_it():
+    from common.distributed import PEER_LOST_EXIT_STATUS, _first_cause
+
+    lost, usage, killed = "rank0 lost rank1", "rank1 met a bad image", "rank2 killed"
+    assert _first_cause([(lost, PEER_LOST_EXIT_STATUS), (usage, 2)]) == usage
+    assert _first_cause([(usage, 2), (lost, PEER_LOST_EXIT_STATUS), (killed, -9)]) == killed
+    assert _first_cause([(lost, PEER_LOST_EXIT_STATUS)]) == lost  # the cause is on another node

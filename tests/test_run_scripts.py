@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import shlex
 import subprocess
 import sys
 import time
@@ -317,9 +318,9 @@ def test_srun_per_gpu_trains_for_real(fake_slurm, tmp_path):
 
 # --- launch_nodes.py: printing ---
 
-def launch_nodes(*args, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def launch_nodes(*args, timeout: float = 120, env: dict | None = None, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, LAUNCH_NODES, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+                          timeout=timeout, cwd=cwd, env=env)
 
 
 def test_per_node_commands_for_three_hosts():
@@ -480,6 +481,32 @@ def test_run_starts_every_node_and_prefixes_its_output(fake_nodes, tmp_path):
                if not line.startswith("#")]
     assert sorted(ssh_log.read_text().splitlines()) == [f"alpha\t{printed[0]}", f"b\t{printed[1]}"]
     assert [(markers / f"rank{rank}").read_text() for rank in (0, 1)] == ["exited with 0", "exited with 0"]
+
+
+@pytest.mark.parametrize("host", ["node1;touch PWNED", "$(touch PWNED)", "`touch PWNED`", "node1;node2",
+                                  "node1&&touch PWNED", "-oProxyCommand=touch PWNED", "node1|sh", "node'1"])
+def test_a_host_name_that_is_not_one_is_refused_before_any_shell_sees_it(host, tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text(f"node0\n{host}\n")
+    for args in (["--hosts", f"node0,{host}"], ["--hostfile", hostfile]):
+        result = launch_nodes(*args, "--run", "--ssh", "false", "--", "x.py", cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == ""
+        assert len(result.stderr.splitlines()) == 1 and "is not a host name or address" in result.stderr
+    assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
+
+
+def test_paths_and_arguments_reach_the_node_as_written_through_a_real_shell(fake_nodes, tmp_path):
+    ssh, script, markers, ssh_log = fake_nodes
+    hostile = "$(touch PWNED) `touch PWNED`; touch PWNED 'quoted' \"double\" *"
+    workdir = tmp_path / f"work {hostile}"
+    workdir.mkdir()
+    result = launch_nodes("--hosts", "alpha", "--workdir", workdir, "--python", sys.executable, "--run", "--ssh", ssh,
+                          "--", script, "--markers", markers, "--note", hostile, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"alpha | rank 0 of 1 in {workdir}"
+    command = ssh_log.read_text().split("\t", 1)[1].rstrip("\n")
+    assert shlex.split(command)[-2:] == ["--note", hostile]  # one argument, exactly as given
+    assert not any(path.name == "PWNED" for path in tmp_path.rglob("PWNED")) and not (REPO / "PWNED").exists()
 
 
 def test_run_stops_the_other_nodes_when_one_fails(fake_nodes):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from common import distributed, engine, precision, schedules, telemetry
+from common.data import Sample
 from common.meters import ClassReport, MetricSums
 from conftest import REPO, make_image_folder, run_script
 
@@ -35,6 +36,22 @@ class SlowModel(nn.Module):
         return self.linear(images)
 
 
+class _SlowBatches:
+    """Batches of common.data.Sample, each DATA_DELAY_SECONDS late."""
+
+    dataset = None  # no image files behind them: none can be unreadable
+
+    def __init__(self, steps: int, first_delay: float = 0.0):
+        self.steps = steps
+        self.first_delay = first_delay  # extra, before the first batch (a cold start)
+
+    def __iter__(self):
+        for index in range(self.steps):
+            time.sleep(DATA_DELAY_SECONDS + (self.first_delay if index == 0 else 0.0))
+            yield Sample(torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,)), torch.full((BATCH,), 100),
+                         torch.full((BATCH,), -1), [""] * BATCH)
+
+
 class SlowLoaders:
     """What Trainer.train_one_epoch reads of common.data.Loaders, with batches
     that take a known time to arrive."""
@@ -44,9 +61,7 @@ class SlowLoaders:
 
     @property
     def train(self):
-        for _ in range(self.steps):
-            time.sleep(DATA_DELAY_SECONDS)
-            yield torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,)), torch.full((BATCH,), 100)
+        return _SlowBatches(self.steps)
 
     seed = 0
     global_batch = BATCH
@@ -96,10 +111,7 @@ def test_warm_up_steps_are_left_out_of_the_rates_and_said_so(capsys):
     class ColdStartLoaders(SlowLoaders):
         @property
         def train(self):
-            for index, batch in enumerate(super().train):
-                if index == 0:
-                    time.sleep(20 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS))
-                yield batch
+            return _SlowBatches(self.steps, first_delay=20 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS))
 
     metrics = slow_trainer(warmup_steps=2, print_freq=2).train_one_epoch(ColdStartLoaders(10), epoch=0)
     assert metrics.images_per_second == pytest.approx(BATCH / (DATA_DELAY_SECONDS + COMPUTE_SECONDS), rel=0.05)
