@@ -467,7 +467,6 @@ class Trainer:
         self.control.barrier()
         raise TrainingStopped(decision.signal_name)
 
-
     def _diverged(self, problem: str, fit_start: float, epochs_run: int) -> None:
         """After a non-finite loss, on every process at the same step: say
         where and what to do, write nothing more, exit with NONFINITE_EXIT_STATUS."""

@@ -166,9 +166,10 @@ def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
 
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "1")
     other = make_image_folder(tmp_path / "other", classes=4, train_per_class=4, val_per_class=1)
-    result = run_script(["imagenet_nd.py", other, *FAST_ARGS, "--resume", run_dir / CHECKPOINT_NAME])
-    assert result.returncode == 2
-    assert "trained on 3 classes, DATA has 4 (only in DATA: class_3)" in result.stderr
+    for evaluate in ([], ["--evaluate"]):
+        result = run_script(["imagenet_nd.py", other, *FAST_ARGS, "--resume", run_dir / CHECKPOINT_NAME, *evaluate])
+        assert result.returncode == 2
+        assert "trained on 3 classes, DATA has 4 (only in DATA: class_3)" in result.stderr
     result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "-a", "resnet34", "--resume", run_dir / CHECKPOINT_NAME])
     assert result.returncode == 2 and "holds a resnet18 model, not resnet34; pass -a resnet18" in result.stderr
 
