@@ -290,9 +290,13 @@ class BadImages:
             self.reasons[self.samples[index][0]] = reason
         return len(marked)
 
-    def gathered(self, ctx: Context) -> Dict[str, str]:
-        """Every process's list, on the primary (a collective; {} elsewhere)."""
+    def gathered(self, ctx: Context, count: int) -> Dict[str, str]:
+        """Every process's list, on the primary ({} elsewhere). `count`: the
+        unreadable files met by all processes (summed, so the same on each):
+        only when there are some is this a collective, on all of them alike."""
         merged: Dict[str, str] = {}
+        if not count:
+            return merged
         for reasons in gather_to_primary(self.reasons, ctx):
             merged.update(reasons)
         return dict(sorted(merged.items()))

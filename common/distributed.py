@@ -120,10 +120,16 @@ def data_parallel(device_choice: str = "auto") -> Context:
                    launcher="nn.DataParallel")
 
 
+def spans_processes(ctx: Context) -> bool:
+    """Whether `ctx` has peers to exchange with: the condition of every
+    collective here (one process, or no process group, needs none)."""
+    return ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     """Sum `tensor` over all processes, in place; returns it. Metrics cross
     processes only as sums and counts, never as averages of averages."""
-    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if spans_processes(ctx):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
@@ -132,14 +138,14 @@ def all_reduce_sum_started(tensor: torch.Tensor, ctx: Context) -> Optional[objec
     """Start summing `tensor` over all processes, in place, without waiting:
     returns the operation to wait() on before reading it (None when there is
     nothing to wait for)."""
-    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if spans_processes(ctx):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
     return None
 
 
 def all_reduce_max(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
     """Maximum of `tensor` over all processes, in place (peaks, not totals)."""
-    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if spans_processes(ctx):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
@@ -147,7 +153,7 @@ def all_reduce_max(tensor: torch.Tensor, ctx: Context) -> torch.Tensor:
 def gather_to_primary(value, ctx: Context) -> list:
     """Every process's `value` (a picklable object), in rank order, on the
     primary; an empty list on the others. A collective: all must call it."""
-    if ctx.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    if not spans_processes(ctx):
         return [value]
     gathered = [None] * ctx.world_size if ctx.is_primary else None
     dist.gather_object(value, gathered, dst=0)
@@ -158,7 +164,7 @@ def broadcast_from_primary(value, ctx: Context):
     """The primary process's `value` (any picklable object), on every process:
     how one process's decision (say, a run directory it could not create)
     becomes everyone's, instead of leaving the others waiting."""
-    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if spans_processes(ctx):
         holder = [value]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
@@ -170,7 +176,7 @@ def broadcast_buffers_from_primary(module: torch.nn.Module, ctx: Context) -> Non
     In training each process updates them from its own share of the batch, so
     they differ after the last step; the primary's are the ones checkpoints
     save, so they are the ones to validate with."""
-    if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+    if spans_processes(ctx):
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
 
@@ -587,12 +593,16 @@ def _watch(workers) -> None:
         # would drop a failed worker without reporting it, and the job would exit 0.
         exit_codes = [(worker, worker.exitcode) for worker in running]
         stopped = stopped or any(code == STOPPED_EXIT_STATUS for _, code in exit_codes)
-        failed = [(worker, code) for worker, code in exit_codes if code not in (None, 0, STOPPED_EXIT_STATUS)]
         running = [worker for worker, code in exit_codes if code is None]
-        if failed:
+        if _failures(exit_codes):
             _report_failure(workers, running)
     if stopped:
         sys.exit(STOPPED_EXIT_STATUS)
+
+
+def _failures(exit_codes):
+    """The (worker, exit code) pairs of workers that ended with an error (not done, nor stopped cleanly)."""
+    return [(worker, code) for worker, code in exit_codes if code not in (None, 0, STOPPED_EXIT_STATUS)]
 
 
 def _first_cause(failed):
@@ -606,7 +616,7 @@ def _report_failure(workers, running) -> None:
     if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
         multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
     ended = [(worker, worker.exitcode) for worker in workers]
-    failed = _first_cause([(worker, code) for worker, code in ended if code not in (None, 0, STOPPED_EXIT_STATUS)])
+    failed = _first_cause(_failures(ended))
     _stop([worker for worker, code in ended if code is None])
     code = failed.exitcode
     if code in (2, NONFINITE_EXIT_STATUS):  # a UsageError, or a NaN loss: the worker has said it

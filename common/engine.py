@@ -31,7 +31,7 @@ from common import checkpoint, preemption
 from common.checkpoint import ResumePoint
 from common.cli import NONFINITE_EXIT_STATUS
 from common.data import BadImages, Loaders, derived_seed
-from common.distributed import Context, all_reduce_sum_started, broadcast_buffers_from_primary
+from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.preemption import Decision, StopControl, TrainingStopped
 from common.schedules import LRSchedule, set_lr
@@ -178,10 +178,7 @@ class LossGuard:
         if not tensors:
             return
         bad = torch.stack([~torch.isfinite(tensor).all() for tensor in tensors]).sum().to(torch.float32).reshape(1)
-        reduction = all_reduce_sum_started(bad, self.ctx)
-        if reduction is not None:
-            reduction.wait()
-        if bad.item():
+        if all_reduce_sum(bad, self.ctx).item():
             raise _NonFinite(f"{where}: {int(bad.item())} weight or buffer tensor(s) are not finite on some "
                              f"process, although the losses were")
 
@@ -397,9 +394,9 @@ class Trainer:
         """Log the split's unreadable files, with those `earlier` in the epoch
         (before the checkpoint this run resumed from); returns them all
         (on the primary) as (path, reason) pairs."""
-        if not totals.bad_images:  # summed over processes: every process takes this branch, or none
+        if not totals.bad_images:
             return ()
-        files = {**dict(earlier), **bad_images.gathered(self.ctx)}
+        files = {**dict(earlier), **bad_images.gathered(self.ctx, totals.bad_images)}
         self.log.bad_images(epoch, split, totals.bad_images, files)
         return tuple(files.items())
 
@@ -499,7 +496,7 @@ class _PartialEpoch:
     def measure(sums: MetricSums, timer: StepTimer, ctx: Context, bad_images: BadImages) -> "_PartialEpoch":
         """This part's figures (a collective: every process calls it at the same step)."""
         totals = sums.totals(ctx)
-        bad_files = tuple(bad_images.gathered(ctx).items()) if totals.bad_images else ()
+        bad_files = tuple(bad_images.gathered(ctx, totals.bad_images).items())
         return _PartialEpoch(totals=totals, timing=timer.finish(ctx), bad_files=bad_files)
 
     def plus(self, other: "_PartialEpoch") -> "_PartialEpoch":

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import STOPPED_EXIT_STATUS, Config
-from common.distributed import Context
+from common.distributed import Context, spans_processes
 
 # What a process's flag holds, combined by maximum: a requeueing stop outranks a plain one.
 _NOTHING, _CHECKPOINT, _STOP, _STOP_AND_REQUEUE = range(4)
@@ -127,7 +127,7 @@ class StopControl:
     # --- the shared decision ---
 
     def _combined(self) -> bool:
-        return self.ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
+        return spans_processes(self.ctx)
 
     def step(self, global_step: int) -> Decision:
         """Call before each training step, on every process, with the number

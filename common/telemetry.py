@@ -460,6 +460,17 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def _rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
+    """Replace a CSV file by these rows under these columns (a new file
+    renamed over it: later appends never reach a copy kept by a link)."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(temporary, path)
+
+
 def _append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     """Append rows to a CSV file, with the header when the file is new; a
     missing value is an empty cell. A file written with other columns (an
@@ -471,12 +482,7 @@ def _append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
             header = next(csv.reader(handle), None)
             old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
         if old_rows is not None:
-            temporary = path.with_name(f".{path.name}.tmp")
-            with open(temporary, "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-                writer.writeheader()
-                writer.writerows(old_rows)
-            os.replace(temporary, path)
+            _rewrite_rows(path, columns, old_rows)
     with open(path, "a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns)
         if new_file:
@@ -683,13 +689,7 @@ class RunLog:
         for checkpoint in later_checkpoints:
             os.replace(checkpoint, backup / checkpoint.name)
         if len(kept) != len(rows):
-            # A new file renamed over metrics.csv: later appends must not reach the preserved copy.
-            temporary = path.with_name(".metrics.csv.tmp")
-            with open(temporary, "w", newline="") as handle:
-                writer = csv.DictWriter(handle, fieldnames=METRICS_COLUMNS)
-                writer.writeheader()
-                writer.writerows(kept)
-            os.replace(temporary, path)
+            _rewrite_rows(path, METRICS_COLUMNS, kept)  # the preserved copy keeps the later rows
         self.info(f"resuming at epoch {start.start_epoch} step {start.step}, before {len(rows) - len(kept)} later "
                   f"metrics rows and {len(later_checkpoints)} later checkpoints of {self.run_dir.name}: they are "
                   f"kept in {backup}")
