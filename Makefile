@@ -17,8 +17,10 @@ endif
 RUNS ?= results/runs
 UPSTREAM ?= results/upstream
 NOTES ?= $(if $(filter results/runs,$(RUNS)),--notes results/NOTES.md)
+# Benchmark CSVs (python -m common.bench) whose tables RESULTS.md shows.
+BENCH ?= $(wildcard results/bench/*.csv)
 
-.PHONY: demo test test-all figures venv clean
+.PHONY: demo test test-all bench figures venv clean
 
 venv: $(INSTALLED)
 
@@ -36,11 +38,15 @@ test: $(INSTALLED)
 test-all: $(INSTALLED)
 	$(PY) -m pytest tests
 
+# `make bench`: the speed harness (README, "Speed"): ratios against the plain reference, a CSV in runs/bench/.
+bench: $(INSTALLED)
+	$(PY) -m common.bench
+
 figures: $(INSTALLED)
 	$(PY) -m common.plots $(RUNS) --out figures
 	$(PY) -m common.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) > RESULTS.md.tmp
+	$(PY) -m common.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:
-	rm -rf runs data/digits .pytest_cache tests/.pytest_cache .hypothesis tests/.hypothesis
+	rm -rf runs data/digits .bench-data .pytest_cache tests/.pytest_cache .hypothesis tests/.hypothesis

@@ -26,8 +26,10 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout)
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    model = model.to(ctx.device, memory_format=memory_format)
+    policy = precision.FP32()
+    channels_last = models.uses_channels_last(cfg.memory_format, ctx.device, policy)  # --memory-format
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = models.compiled(model.to(ctx.device, memory_format=memory_format), cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # Every process holds a replica; DDP averages the gradients across processes during backward.
@@ -36,9 +38,8 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
 
     global_batch = cfg.batch_size * ctx.replicas
     lr = schedules.scaled_lr(cfg.lr, global_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
     schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
-    policy = precision.FP32()
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
     # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
@@ -46,7 +47,7 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
                               global_batch=global_batch, lr=lr)
 
     trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
-                             channels_last=cfg.channels_last, steps_per_epoch=cfg.steps_per_epoch,
+                             channels_last=channels_last, steps_per_epoch=cfg.steps_per_epoch,
                              warmup_steps=cfg.warmup_steps, max_nonfinite_steps=cfg.max_nonfinite_steps,
                              control=preemption.StopControl.for_run(cfg, ctx))
     log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
@@ -57,8 +58,9 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     log.start_run(cfg, start, resolved={
-        "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
-        "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
+        "global_batch": global_batch, "lr": lr, "precision": policy.name, "channels_last": channels_last,
+        "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
+        "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
         "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
     })

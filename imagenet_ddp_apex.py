@@ -27,9 +27,10 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout)
     policy = precision.build_policy(cfg.opt_level, cfg.amp_dtype, ctx.device, cfg.keep_batchnorm_fp32, cfg.loss_scale)
-    channels_last = cfg.channels_last or policy.channels_last
+    channels_last = models.uses_channels_last(cfg.memory_format, ctx.device, policy)  # --memory-format
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = policy.prepare_model(model.to(ctx.device, memory_format=memory_format))  # O3: the model in half
+    model = models.compiled(model, cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # Every process holds a replica; DDP averages the gradients across processes during backward.
@@ -38,7 +39,7 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
 
     global_batch = cfg.batch_size * ctx.replicas
     lr = schedules.scaled_lr(cfg.lr, global_batch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
     schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
@@ -59,8 +60,9 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     log.start_run(cfg, start, resolved={
-        "global_batch": global_batch, "lr": lr, "precision": policy.name, "num_classes": loaders.num_classes,
-        "train_images": len(loaders.train.dataset), "val_images": len(loaders.val.dataset),
+        "global_batch": global_batch, "lr": lr, "precision": policy.name, "channels_last": channels_last,
+        "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
+        "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
         "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
     })

@@ -304,7 +304,7 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Optional[str]:
 # The options that make up the training recipe (not where the data or logs are, nor how processes meet).
 _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
                    "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
-                   "steps_per_epoch", "opt_level", "amp_dtype", "channels_last", "sync_bn")
+                   "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:
@@ -332,11 +332,16 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         raise UsageError(f"argument --seed: {cfg.seed} is not the seed of {path} ({state['seed']}); an exact "
                          f"resume replays that seed's order and crops: pass --seed {state['seed']}")
     if "optimizer" in state:
+        # The saved groups carry how the saving run stepped (fused on a GPU, foreach or not): this
+        # run's device decides that, not the checkpoint's.
+        implementation = {key: optimizer.defaults[key] for key in ("fused", "foreach") if key in optimizer.defaults}
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as error:
             raise UsageError(f"argument --resume: the optimizer state in {path} does not fit this run's "
                              f"optimizer ({error_summary(error)})") from None
+        for group in optimizer.param_groups:
+            group.update(implementation)
     precision.load_state_dict(state.get("precision") or {})
     if "rng" in state:
         restore_rng_state(state["rng"])

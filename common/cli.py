@@ -73,7 +73,7 @@ class Config:
     data: Optional[str]
     arch: str
     pretrained: bool
-    channels_last: bool
+    memory_format: str  # auto | channels_last | contiguous (see common.models.uses_channels_last)
     workers: int
     image_size: int
     val_resize: int
@@ -115,6 +115,8 @@ class Config:
     bad_images: str = "fail"  # fail | skip: what an unreadable image file does
     deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
+    data_backend: str = "torchvision"  # torchvision | pil | gpu: who decodes and transforms images (common.pipelines)
+    compile: bool = False  # torch.compile the model
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
     dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU
@@ -218,9 +220,15 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        metavar="P", help="dropout probability of the classifier, for architectures that have one "
                                          "(AlexNet, VGG, SqueezeNet, MobileNet, EfficientNet, ...); default: "
                                          "the architecture's own")
-    group.add_argument("--channels-last", action="store_true",
-                       help="model and input batches in channels-last memory format (faster with "
-                            "tensor cores and mixed precision)")
+    group.add_argument("--memory-format", choices=("auto", "channels_last", "contiguous"), default="auto",
+                       help="of the model and the input batches. auto: channels_last on the CPU (oneDNN's faster "
+                            "layout) and with --opt-level O2/O3 on GPUs (tensor cores), contiguous (NCHW) otherwise")
+    group.add_argument("--channels-last", dest="memory_format", action="store_const", const="channels_last",
+                       help="the same as --memory-format channels_last")
+    if mode != "dp":  # nn.DataParallel copies the model to every GPU at each step: torch.compile does not follow
+        group.add_argument("--compile", action="store_true",
+                           help="compile the model with torch.compile (the first steps take minutes while it "
+                                "compiles; throughput figures leave out --throughput-warmup-steps)")
 
     group = parser.add_argument_group("data")
     group.add_argument("-j", "--workers", type=non_negative_int, default=4, metavar="N",
@@ -236,6 +244,11 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--hflip", type=_float_in(0.0, 1.0, False, False, "a probability in [0, 1]"), default=0.5,
                        metavar="PROB", help="probability of flipping a training image horizontally "
                                             "(0 where mirror images mean something else, as with digits)")
+    group.add_argument("--data-backend", choices=("torchvision", "pil", "gpu"), default="torchvision",
+                       help="who decodes and transforms images. torchvision: decode_jpeg (at reduced size when the "
+                            "crop shrinks anyway) and uint8 tensor transforms in the workers, normalisation on the "
+                            "device; pil: Pillow and float32 transforms in the workers (the plain reference); gpu: "
+                            "JPEGs decoded on the GPU by nvJPEG. All draw the same crops for a seed")
     group.add_argument("--synthetic", action="store_true",
                        help="random tensors instead of images (no disk I/O), for benchmarking; DATA may be "
                             "omitted. Validation then covers 10 batches per process")

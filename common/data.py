@@ -24,53 +24,32 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import os
 import random
-import warnings
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision import transforms
+from torch.utils.data import default_collate
 
-from common.cli import Config, UsageError, error_summary
+from common.cli import Config, UsageError
 from common.distributed import Context, data_loader_worker_init, gather_to_primary
+from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, PILImages, TensorImages, train_transform,
+                              val_transform)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_VAL_BATCHES = 10  # per process: random tensors have no accuracy worth a full pass
 
-# Pillow warns about harmless oddities it decodes anyway (corrupt EXIF blocks, which some ImageNet
-# JPEGs have; palette transparency), once per data-loading worker and epoch: noise in a long log.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
-
-
-class BadImageError(UsageError):
-    """An image file that cannot be decoded; the message names the file."""
-
-    rank_specific = True  # only the process whose share holds the file meets it
-
-    def __init__(self, message: str, reason: str = ""):
-        # A DataLoader worker's exception reaches the main process rebuilt as
-        # type(error)("Caught ... Original Traceback ...\n...BadImageError: <message>");
-        # keep only the original one-line message, so the user sees one line.
-        marker = f"{type(self).__name__}: "
-        if "Original Traceback" in message and marker in message:
-            message = message.rsplit(marker, 1)[1].strip()
-        super().__init__(message)
-        self.reason = reason  # why the file cannot be decoded, without the path
-
 
 class Sample(NamedTuple):
     """One training or validation sample; the DataLoader collates a batch of
-    them into the same shape, with tensors. `file_bytes` is what reading the
+    them into the same shape, with tensors (collate). `image` is a 3 x S x S
+    uint8 tensor (torchvision backend, synthetic data), a normalised float
+    one (pil) or the file for the GPU to decode (gpu; an EncodedBatch once
+    collated): common.pipelines.DeviceInput finishes each on the device. `file_bytes` is what reading the
     image took from storage (0 for synthetic data): summed over a split and
     over processes it is the exact volume the input pipeline read."""
 
@@ -81,44 +60,6 @@ class Sample(NamedTuple):
     # it could not be read; -1 and "" for a sample that is itself.
     bad_index: int = -1
     bad_reason: str = ""
-
-
-def read_rgb(path: str) -> Tuple[Image.Image, int]:
-    """Decode any image file as 8-bit, 3-channel RGB (grayscale, CMYK,
-    palette, RGBA and 16-bit images included; the format is read from the
-    content, whatever the extension says); also returns the bytes read from
-    the file. The file is read whole first (as decoding would anyway), which
-    makes that count exact."""
-    encoded = None
-    try:
-        with open(path, "rb") as handle:
-            encoded = handle.read()
-        with Image.open(io.BytesIO(encoded)) as image:
-            image.load()  # the full decode: truncation shows here
-            return _eight_bit(image).convert("RGB"), len(encoded)
-    except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, struct.error, ...)
-        if encoded == b"":
-            reason = "empty file"
-        elif isinstance(error, UnidentifiedImageError):  # its message names our in-memory copy, not the file
-            reason = f"not an image format Pillow reads ({len(encoded)} bytes starting {encoded[:8]!r})"
-        else:
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else error_summary(error)
-        raise BadImageError(
-            f"{path}: cannot decode image ({reason}); remove or replace the file, or pass --bad-images skip",
-            reason=reason) from None
-
-
-def _eight_bit(image: Image.Image) -> Image.Image:
-    """16-bit and 32-bit grayscale scaled to 8 bits: Pillow's convert("RGB")
-    clips them at 255, which turns almost every pixel white."""
-    if image.mode.startswith("I"):  # I;16, I;16B, I (what 16-bit PNG and TIFF files open as)
-        pixels = np.asarray(image, dtype=np.float64) / 257.0  # 65535 -> 255
-    elif image.mode == "F":  # float images: [0, 1] when they are fractions, else taken as 0..255
-        pixels = np.asarray(image, dtype=np.float64)
-        pixels = pixels * 255.0 if pixels.size and np.nanmax(pixels) <= 1.0 else pixels
-    else:
-        return image
-    return Image.fromarray(np.clip(np.nan_to_num(pixels), 0, 255).round().astype(np.uint8), mode="L")
 
 
 def _image_files(class_dir: Path) -> List[str]:
@@ -173,7 +114,8 @@ def _is_broken_link(entry: os.DirEntry) -> bool:
         return True
 
 
-def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
+def scan_split(split_dir: Path,
+               class_to_idx: Optional[Dict[str, int]] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
     """The classes and (path, class index) samples of one split folder.
 
     With `class_to_idx` (train's mapping, when scanning val/) every class
@@ -211,10 +153,11 @@ def derived_seed(*parts: int) -> int:
 
 
 class ImageFolderDataset(Dataset):
-    """(transformed image, class index) for a list of (path, class index).
+    """(image, class index) for a list of (path, class index); `pipeline`
+    turns a path into (image, bytes read) (see common.pipelines).
 
-    With `augmentation_seed` set (training), the transform of image `index`
-    in epoch `epoch` draws its randomness from derived_seed(augmentation_seed,
+    With `augmentation_seed` set (training), the random crop and flip of
+    image `index` in epoch `epoch` draw from derived_seed(augmentation_seed,
     epoch, index): the same crop in whichever process or worker reads it.
 
     With `skip_bad_images`, an unreadable file's sample is the next readable
@@ -222,10 +165,10 @@ class ImageFolderDataset(Dataset):
     seed and marked with that index: a function of the dataset alone, so every
     process and epoch makes the same replacement and batches keep their size."""
 
-    def __init__(self, samples: Sequence[Tuple[str, int]], transform, augmentation_seed: Optional[int] = None,
+    def __init__(self, samples: Sequence[Tuple[str, int]], pipeline: Callable, augmentation_seed: Optional[int] = None,
                  skip_bad_images: bool = False):
         self.samples = list(samples)
-        self.transform = transform
+        self.pipeline = pipeline
         self.augmentation_seed = augmentation_seed
         self.skip_bad_images = skip_bad_images
         self.known_bad = set()  # indices of unreadable files met by this process or worker (see _next_readable)
@@ -238,13 +181,17 @@ class ImageFolderDataset(Dataset):
         path, target = self.samples[index]
         bad_index, bad_reason = -1, ""
         try:
-            image, file_bytes = read_rgb(path)
+            image, file_bytes = self._load(index, path)
         except BadImageError as error:
             if not self.skip_bad_images:
                 raise
             self.known_bad.add(index)
             bad_index, bad_reason = index, error.reason
             image, target, file_bytes = self._next_readable(index)
+        return Sample(image, target, file_bytes, bad_index, bad_reason)
+
+    def _load(self, index: int, path: str):
+        """`path` through the pipeline, with the random draws of image `index`."""
         if self.augmentation_seed is not None:
             # torchvision's random transforms draw from torch's global generator (and user transforms
             # often from Python's): both are reseeded per image. With -j 0 this is the training
@@ -252,9 +199,9 @@ class ImageFolderDataset(Dataset):
             seed = derived_seed(self.augmentation_seed, self.epoch, index)
             torch.default_generator.manual_seed(seed)  # the CPU generator only: no per-image cost on GPUs
             random.seed(seed)
-        return Sample(self.transform(image), target, file_bytes, bad_index, bad_reason)
+        return self.pipeline(path)
 
-    def _next_readable(self, index: int) -> Tuple[Image.Image, int, int]:
+    def _next_readable(self, index: int):
         # Files found unreadable by this process (or worker) are not tried again: a folder of k of
         # them would otherwise cost k^2 attempts an epoch. Which image stands in stays the same.
         for offset in range(1, len(self.samples)):
@@ -263,13 +210,22 @@ class ImageFolderDataset(Dataset):
                 continue
             path, target = self.samples[candidate]
             try:
-                image, file_bytes = read_rgb(path)
+                image, file_bytes = self._load(index, path)  # the unreadable index's crop and flip
             except BadImageError:
                 self.known_bad.add(candidate)
                 continue
             return image, target, file_bytes
         raise BadImageError(f"{self.samples[index][0]}: no image of its split can be decoded "
                             f"(--bad-images skip has nothing to use instead)")
+
+
+def collate(samples: List[Sample]) -> Sample:
+    """default_collate, except that the gpu backend's encoded files become
+    one EncodedBatch (they differ in length: nothing to stack)."""
+    if not isinstance(samples[0].image, torch.Tensor):
+        rest = default_collate([sample._replace(image=0) for sample in samples])
+        return rest._replace(image=EncodedBatch([sample.image for sample in samples]))
+    return default_collate(samples)
 
 
 class BadImages:
@@ -303,9 +259,10 @@ class BadImages:
 
 
 class SyntheticImages(Dataset):
-    """Random normalised image tensors with labels, for benchmarks: a small
-    pool generated once from `seed` and repeated, so fetching a sample costs a
-    copy, not a random draw or a disk read."""
+    """Random uint8 images with labels, for benchmarks: a small pool
+    generated once from `seed` and repeated, so fetching a sample costs a
+    copy, not a random draw or a disk read; the device normalises them as it
+    does decoded files (common.pipelines.DeviceInput)."""
 
     POOL_SIZE = 64
 
@@ -313,7 +270,8 @@ class SyntheticImages(Dataset):
         self.length = length
         self.num_classes = num_classes
         generator = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(min(self.POOL_SIZE, length), 3, image_size, image_size, generator=generator)
+        self.pool = torch.randint(0, 256, (min(self.POOL_SIZE, length), 3, image_size, image_size),
+                                  generator=generator, dtype=torch.uint8)
 
     def __len__(self) -> int:
         return self.length
@@ -390,24 +348,6 @@ class TrainSampler(Sampler):
         return self.steps * self.batch_size
 
 
-def train_transform(image_size: int, crop_scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5):
-    return transforms.Compose([
-        transforms.RandomResizedCrop(image_size, scale=crop_scale),
-        transforms.RandomHorizontalFlip(hflip),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
-
-
-def val_transform(image_size: int, val_resize: int):
-    return transforms.Compose([
-        transforms.Resize(val_resize),
-        transforms.CenterCrop(image_size),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
-
-
 @dataclasses.dataclass
 class Loaders:
     train: DataLoader
@@ -415,6 +355,7 @@ class Loaders:
     classes: List[str]
     seed: int
     rank: int = 0
+    backend: str = "torchvision"  # --data-backend
 
     @property
     def num_classes(self) -> int:
@@ -439,7 +380,8 @@ class Loaders:
         return self.train.sampler.global_batch
 
     def summary(self) -> str:
-        kind = "synthetic" if isinstance(self.train.dataset, SyntheticImages) else "images"
+        synthetic = isinstance(self.train.dataset, SyntheticImages)
+        kind = "synthetic" if synthetic else f"images (decoded by {self.backend})"
         return (f"data: {len(self.train.dataset)} training and {len(self.val.dataset)} validation {kind} "
                 f"in {self.num_classes} classes")
 
@@ -455,16 +397,28 @@ def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[s
     classes, train_samples = scan_split(root / "train")
     _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
     skip = cfg.bad_images == "skip"
-    train = ImageFolderDataset(train_samples, train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip),
-                               augmentation_seed=cfg.seed, skip_bad_images=skip)
-    val = ImageFolderDataset(val_samples, val_transform(cfg.image_size, cfg.val_resize), skip_bad_images=skip)
+    train = ImageFolderDataset(train_samples, pipeline(cfg, train=True), augmentation_seed=cfg.seed,
+                               skip_bad_images=skip)
+    val = ImageFolderDataset(val_samples, pipeline(cfg, train=False), skip_bad_images=skip)
     return train, val, classes
+
+
+def pipeline(cfg: Config, train: bool) -> Callable:
+    """Path -> (image, bytes read), as --data-backend says (see common.pipelines)."""
+    if cfg.data_backend == "pil":
+        return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip) if train else
+                         val_transform(cfg.image_size, cfg.val_resize))
+    kind = EncodedImages if cfg.data_backend == "gpu" else TensorImages
+    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize)
 
 
 def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     """Training and validation loaders of this process's share of the data.
     A process's batch is -b per replica it drives (its GPUs, under nn.DataParallel)."""
     batch_size = cfg.batch_size * ctx.replicas_per_process
+    if cfg.data_backend == "gpu" and ctx.device.type != "cuda" and not cfg.synthetic:
+        raise UsageError(f"argument --data-backend: gpu decodes JPEGs on a CUDA GPU; this run is on the "
+                         f"{ctx.device.type.upper()} (use torchvision)")
     train_set, val_set, classes = build_datasets(cfg, ctx.replicas)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
     if train_sampler.steps_per_epoch() == 0:
@@ -476,13 +430,13 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     worker_init_fn = data_loader_worker_init if cfg.workers else None
     train = DataLoader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
-        pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+        pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
         # The sampler yields whole batches only: a partial one would skew BatchNorm statistics.
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )
     val = DataLoader(
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
-        num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+        num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
     )
-    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank)
+    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend)

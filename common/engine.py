@@ -32,6 +32,7 @@ from common.checkpoint import ResumePoint
 from common.cli import NONFINITE_EXIT_STATUS
 from common.data import BadImages, Loaders, derived_seed
 from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
+from common.pipelines import DeviceInput
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.preemption import Decision, StopControl, TrainingStopped
 from common.schedules import LRSchedule, set_lr
@@ -58,6 +59,17 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+    """SGD with momentum and weight decay, in as few kernel launches as the
+    parameters' device allows: fused (one kernel for all of them) on CUDA,
+    foreach (a few multi-tensor kernels) elsewhere. The same arithmetic as
+    the per-parameter loop, within floating-point rounding."""
+    parameters = list(model.parameters())
+    on_gpu = bool(parameters) and all(parameter.is_cuda for parameter in parameters)
+    return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           **({"fused": True} if on_gpu else {"foreach": True}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,14 +247,11 @@ class Trainer:
     _trained: Optional[tuple] = dataclasses.field(default=None, init=False)  # (steps, images done, _PartialEpoch)
     _guard: Optional[LossGuard] = dataclasses.field(default=None, init=False)
 
+    _input: Optional[DeviceInput] = dataclasses.field(default=None, init=False)
+
     def __post_init__(self):
         self._guard = LossGuard(self.ctx, self.max_nonfinite_steps)
-
-    def _to_device(self, images: torch.Tensor, target: torch.Tensor):
-        images = images.to(self.ctx.device, non_blocking=True)
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, target.to(self.ctx.device, non_blocking=True)
+        self._input = DeviceInput(self.ctx.device, self.channels_last)  # batches finished on the device
 
     def _should_print(self, step: int, steps: int) -> bool:
         return self.log.is_primary and ((step + 1) % self.print_freq == 0 or step + 1 == steps)
@@ -258,7 +267,7 @@ class Trainer:
         progress = self.log.progress_meter("train", epoch, steps, first_step=step_numbers.start)
         timer = StepTimer(len(step_numbers), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loaders.train.dataset)
-        batches = iter(loaders.train)
+        batches = iter(self._input(loaders.train))
         lr = None
         for step in step_numbers:
             decision = self.control.step(epoch * steps + step)
@@ -272,7 +281,7 @@ class Trainer:
                     raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}")
             batch = next(batches)
             timer.batch_ready()
-            images, target = self._to_device(batch.image, batch.target)
+            images, target = batch.image, batch.target
             # Dropout (and any other randomness in the model) draws from a seed of this step: the same
             # in a run resumed here as in one that never stopped.
             torch.manual_seed(derived_seed(loaders.seed, epoch, step, self.ctx.rank))
@@ -364,15 +373,14 @@ class Trainer:
         primary_steps = math.ceil(math.ceil(len(loader.dataset) / self.ctx.world_size) / loader.batch_size)
         timer = StepTimer(primary_steps, self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loader.dataset)
-        for step, batch in enumerate(loader):
+        for step, batch in enumerate(self._input(loader)):
             timer.batch_ready()
             images, target = batch.image, batch.target
             files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
             if files["bad_images"]:  # stand-ins for unreadable files: validation counts each readable image once
-                readable = batch.bad_index < 0
+                readable = (batch.bad_index < 0).to(images.device)
                 images, target = images[readable], target[readable]
             if len(target):
-                images, target = self._to_device(images, target)
                 with self.precision.autocast():
                     logits = model(images)
                     loss = self.criterion(logits, target)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from common import plots
-from common.cli import UsageError, run as run_cli
+from common.cli import UsageError, error_summary, run as run_cli
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
@@ -135,6 +135,48 @@ def load_runs(path: str) -> List[plots.Run]:
     return runs
 
 
+def bench_section(paths: Sequence[str]) -> str:
+    """One table per benchmark CSV (python -m common.bench), with the
+    machine and versions it ran on and the ratios of its targets."""
+    import pandas
+
+    from common import bench
+
+    parts = ["## Benchmarks", "",
+             "Measured by `python -m common.bench` (`make bench`): every configuration in a fresh process, warm-up "
+             "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
+             "are side by side. The reference rows are the plain PyTorch loop and input pipeline "
+             "(common/bench.py). No GPU figure appears unless a GPU table is below: none is estimated."]
+    for path in paths:
+        try:
+            rows = pandas.read_csv(path, keep_default_na=False).to_dict("records")
+        except (OSError, ValueError) as error:
+            raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
+        if not rows:
+            continue
+        first = rows[0]
+        parts += ["", f"### {first['device_name']}, {first['date']} (`{Path(path).as_posix()}`)", "",
+                  f"torch {first['torch']}, torchvision {first['torchvision']}"
+                  f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
+                  f"host `{first['host']}`.", "",
+                  table(["section", "configuration", "precision", "memory format", "data", "workers", "images/s",
+                         "images/s per worker", "ms/step", "peak memory (MiB)"],
+                        [[row["section"], row["config"], row["precision"] or "—", row["memory_format"] or "—",
+                          row["data_backend"], row["workers"], number(_float(row["images_per_second"]), 1),
+                          number(_float(row["images_per_second_per_worker"]), 1),
+                          number(_float(row["ms_per_step"]), 1), number(_float(row["peak_memory_mib"]), 0)]
+                         for row in rows]), ""]
+        parts += [f"- {line}" for line in bench.ratios(rows)]
+    return "\n".join(parts)
+
+
+def _float(value) -> Optional[float]:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = plots.ArgumentParser(prog="python -m common.results", description=__doc__.split("\n\n")[0])
@@ -143,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("--notes", metavar="FILE",
                         help="Markdown appended under 'Notes': context no log holds (how the runs were "
                              "made, what to read from them); numbers belong in the logs, not here")
+    parser.add_argument("--bench", nargs="+", metavar="CSV", default=None,
+                        help="CSV files of python -m common.bench: a benchmark section, one table per file")
     parser.add_argument("--figures", default="figures", metavar="DIR",
                         help="folder of the figures (python -m common.plots); links to those that exist")
     args = parser.parse_args(argv)
@@ -179,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 " and ".join(f"`{folder.as_posix()}/` ({who})" for who, folder in folders.items()) + ".", "",
                 table(["figure", *folders], [[name, *(cells.get((name, who), "—") for who in folders)]
                                              for name in shown])]
+    if args.bench:
+        out += ["", bench_section(args.bench)]
     if args.notes:
         try:
             out += ["", "## Notes", "", Path(args.notes).read_text().strip()]

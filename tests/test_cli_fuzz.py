@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 
-from common.cli import MODES, PREEMPT_SIGNALS, UsageError, build_parser, parse
+from common.cli import MODES, PREEMPT_SIGNALS, UsageError, build_parser, one_line, parse
 from conftest import make_image_folder, run_script
 
 # Values some flag may take: each flag's plausible values are those of this pool its type accepts.
@@ -194,8 +194,8 @@ def check_usage_error(message: str, argv, parser: argparse.ArgumentParser) -> No
             f"{message!r} names no flag of the command line {argv!r}"
     elif message.startswith("unrecognized arguments: "):
         words = message[len("unrecognized arguments: "):].removesuffix(" (see --help)").split()
-        spelled = " ".join(argv)  # as given, or escaped as repr() or unicode_escape write it
-        spellings = (spelled, repr(argv), spelled.encode("unicode_escape").decode("ascii"))
+        spelled = " ".join(argv)  # as given, as cli.one_line escapes it, or as repr() or unicode_escape write it
+        spellings = (spelled, one_line(spelled), repr(argv), spelled.encode("unicode_escape").decode("ascii"))
         assert all(any(word in text for text in spellings) for word in words), f"{message!r}: not from {argv!r}"
     else:
         assert message.startswith(FLAGLESS_MESSAGES), f"{message!r} names no flag ({argv!r})"

@@ -12,7 +12,8 @@ from PIL import Image
 
 from common import data
 from common.cli import UsageError, parse
-from common.data import BadImageError, ShardSampler, build_loaders, read_rgb, scan_split
+from common.data import ShardSampler, build_loaders, scan_split
+from common.pipelines import BadImageError, read_rgb
 from common.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
 from conftest import FAST_ARGS, make_image_folder

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import data as data_module
-from common import engine, models
+from common import engine, models, pipelines
 from common.checkpoint import CHECKPOINT_NAME
 from common.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from conftest import REPO, free_port, make_image_folder, run_script, running
@@ -206,11 +205,12 @@ def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     model = models.build_model("squeezenet1_1", len(classes), dropout=0.0, image_size=32)
     model.load_state_dict(state["state_dict"])
     model.eval()
-    transform = data_module.val_transform(32, 32)
+    validation_images = pipelines.TensorImages(train=False, image_size=32, val_resize=32)  # the default backend's
     confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
     for path in sorted(val_dir.rglob("*.JPEG")):
         with torch.no_grad():
-            predicted = model(transform(data_module.read_rgb(str(path))[0]).unsqueeze(0)).argmax().item()
+            image = pipelines.normalize(validation_images(str(path))[0])
+            predicted = model(image.unsqueeze(0)).argmax().item()
         confusion[classes.index(path.parent.name), predicted] += 1
     return confusion
 

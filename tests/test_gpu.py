@@ -79,3 +79,55 @@ def test_the_loss_guard_on_the_gpu_reads_its_flag_one_step_late_and_names_the_ba
     with pytest.raises(_NonFinite, match="NaN on 1 of 1"):
         tolerant.allows_update(torch.tensor(float("nan"), device="cuda"), epoch=0, step=1, lr=0.1)
 
+
+
+@pytest.mark.gpu
+def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path):
+    """DeviceInput on CUDA (side-stream copy, normalisation, nvJPEG decode of
+    an EncodedBatch) yields, batch after batch and in order, what the CPU
+    path yields: the same normalised values (nvJPEG may round a level apart
+    from libjpeg), the same targets, channels-last as asked."""
+    import torch
+
+    from common import data, pipelines
+    from common.demo_data import write_fake_imagenet
+
+    root = tmp_path / "fake"
+    write_fake_imagenet(root, classes=2, train_per_class=6, val_per_class=1)
+    paths = sorted(str(path) for path in (root / "train").rglob("*.JPEG"))
+    batches, expected = [], []
+    for start in range(0, len(paths), 4):
+        samples, references = [], []
+        for seed, path in enumerate(paths[start:start + 4], start):
+            torch.manual_seed(seed)
+            samples.append(data.Sample(*pipelines.EncodedImages(True, 128)(path)[:1], target=seed, file_bytes=0))
+            torch.manual_seed(seed)
+            references.append(pipelines.TensorImages(True, 128, reduced_decode=False)(path)[0])
+        batches.append(data.collate(samples))
+        expected.append(pipelines.normalize(torch.stack(references)))
+    finished = list(pipelines.DeviceInput(torch.device("cuda"), channels_last=True)(batches))
+    torch.cuda.synchronize()
+    assert len(finished) == len(expected) == 3
+    levels = torch.tensor(pipelines.IMAGENET_STD, device="cuda").reshape(1, 3, 1, 1) * 255
+    for index, (batch, reference) in enumerate(zip(finished, expected)):
+        assert batch.image.is_cuda and batch.image.is_contiguous(memory_format=torch.channels_last)
+        assert batch.target.tolist() == list(range(4 * index, 4 * index + 4))
+        difference = ((batch.image - reference.cuda()) * levels).abs()
+        assert difference.mean() <= 1.0 and difference.max() <= 40, (index, difference.mean(), difference.max())
+
+
+@pytest.mark.gpu
+def test_the_gpu_data_backend_trains_and_validates_a_jpeg_tree(tmp_path):
+    from common.demo_data import write_fake_imagenet
+
+    root = tmp_path / "fake"
+    write_fake_imagenet(root, classes=2, train_per_class=16, val_per_class=4)
+    result = run_script([REPO / "imagenet_nd.py", root, "-a", "resnet18", "-b", "8", "--epochs", "1",
+                         "--data-backend", "gpu", "--logdir", tmp_path / "runs", "-j", "2"],
+                        env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        rows = {row["split"]: row for row in csv.DictReader(handle)}
+    assert int(rows["train"]["images"]) == 32 and int(rows["val"]["images"]) == 8
+    assert math.isfinite(float(rows["train"]["loss"]))

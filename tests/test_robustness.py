@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common import data
+from common import data, pipelines
 from common.checkpoint import CHECKPOINT_NAME, kept_checkpoints, load
 from conftest import FAST_ARGS, REPO, run_script
 
@@ -144,7 +144,7 @@ def test_scan_finds_exactly_the_image_files(odd_data):
 def test_every_readable_oddity_decodes_to_its_colour(odd_data):
     root, files = odd_data
     for path in files["readable"]["train"]:
-        image, file_bytes = data.read_rgb(str(path))
+        image, file_bytes = pipelines.read_rgb(str(path))
         assert image.mode == "RGB" and file_bytes == path.stat().st_size
         if path.name.endswith("16bit.png"):  # 16-bit values are scaled, not clipped to white
             label = int(path.parent.name[-1])

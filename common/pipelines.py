@@ -1,0 +1,451 @@
+"""Image pipelines: from an image file to the tensor a model takes.
+
+Three backends (--data-backend), one set of random parameters. The
+training crop and flip are drawn the same way by all three (torchvision's
+RandomResizedCrop.get_params, then one draw for the flip), from the torch
+generator common.data seeds per image, so for one seed every backend cuts
+the same box of the same image; only the resampling arithmetic differs
+(tests/test_pipelines.py bounds the pixel difference).
+
+  pil          the plain reference: Pillow decodes, crops and resizes, then
+               ToTensor and Normalize make float32 in the data-loading
+               worker (what torchvision's ImageNet example does).
+  torchvision  the default: JPEGs are decoded by torchvision.io.decode_jpeg
+               (libjpeg-turbo, like Pillow, but straight into a tensor), at
+               1/2, 1/4 or 1/8 size in the DCT domain (Pillow's draft mode)
+               when the crop is shrunk at least that much anyway; cropping,
+               resizing and flipping run on uint8 tensors. Workers hand
+               over uint8 batches (4x fewer bytes than float32 through
+               shared memory, and pinned memory, to the GPU); conversion to
+               float and normalisation happen on the device (DeviceInput).
+               Other formats (PNG, ...) and JPEGs torchvision cannot read
+               are decoded by Pillow, then follow the same tensor path.
+  gpu          workers only read the file and draw the crop; nvJPEG decodes
+               the batch on the GPU (decode_jpeg(..., device="cuda")),
+               where it is also cropped and resized. Files that are not
+               complete JPEGs take the torchvision path in the worker.
+
+DeviceInput moves batches to the device and finishes them there
+(normalisation, memory format, GPU decoding); on a GPU it prepares the next
+batch on a side stream while the current step runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torchvision import transforms
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2 import functional as tensor_ops
+
+from common.cli import UsageError, error_summary
+
+DATA_BACKENDS = ("torchvision", "pil", "gpu")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's aspect-ratio range
+JPEG_START = b"\xff\xd8\xff"  # SOI marker and the next marker's first byte
+JPEG_END = b"\xff\xd9"  # EOI marker
+
+# Pillow warns about harmless oddities it decodes anyway (corrupt EXIF blocks, which some ImageNet
+# JPEGs have; palette transparency), once per data-loading worker and epoch: noise in a long log.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL\.")
+
+
+class BadImageError(UsageError):
+    """An image file that cannot be decoded; the message names the file."""
+
+    rank_specific = True  # only the process whose share holds the file meets it
+
+    def __init__(self, message: str, reason: str = ""):
+        # A DataLoader worker's exception reaches the main process rebuilt as
+        # type(error)("Caught ... Original Traceback ...\n...BadImageError: <message>");
+        # keep only the original one-line message, so the user sees one line.
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+        self.reason = reason  # why the file cannot be decoded, without the path
+
+
+def read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as error:
+        _unreadable(path, error.strerror or error_summary(error))
+
+
+def _unreadable(path: str, reason: str):
+    raise BadImageError(
+        f"{path}: cannot decode image ({reason}); remove or replace the file, or pass --bad-images skip",
+        reason=reason) from None
+
+
+def decode_rgb(encoded: bytes, path: str, draft_size: Optional[Tuple[int, int]] = None) -> Image.Image:
+    """Pillow's decode of any image file as 8-bit, 3-channel RGB (grayscale,
+    CMYK, palette, RGBA and 16-bit images included; the format is read from
+    the content, whatever the extension says). `draft_size`: a JPEG may be
+    decoded smaller, down to this size (DCT scaling)."""
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            if draft_size is not None:
+                image.draft("RGB", draft_size)
+            image.load()  # the full decode: truncation shows here
+            return _eight_bit(image).convert("RGB")
+    except Exception as error:  # Pillow's decoders raise many types on bad data (OSError, SyntaxError, ...)
+        if encoded == b"":
+            reason = "empty file"
+        elif isinstance(error, UnidentifiedImageError):  # its message names our in-memory copy, not the file
+            reason = f"not an image format Pillow reads ({len(encoded)} bytes starting {encoded[:8]!r})"
+        else:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error_summary(error)
+        _unreadable(path, reason)
+
+
+def read_rgb(path: str) -> Tuple[Image.Image, int]:
+    """The file decoded by Pillow as RGB, and the bytes read from it (read
+    whole first, as decoding would anyway, which makes the count exact)."""
+    encoded = read_file(path)
+    return decode_rgb(encoded, path), len(encoded)
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """16-bit and 32-bit grayscale scaled to 8 bits: Pillow's convert("RGB")
+    clips them at 255, which turns almost every pixel white."""
+    if image.mode.startswith("I"):  # I;16, I;16B, I (what 16-bit PNG and TIFF files open as)
+        pixels = np.asarray(image, dtype=np.float64) / 257.0  # 65535 -> 255
+    elif image.mode == "F":  # float images: [0, 1] when they are fractions, else taken as 0..255
+        pixels = np.asarray(image, dtype=np.float64)
+        pixels = pixels * 255.0 if pixels.size and np.nanmax(pixels) <= 1.0 else pixels
+    else:
+        return image
+    return Image.fromarray(np.clip(np.nan_to_num(pixels), 0, 255).round().astype(np.uint8), mode="L")
+
+
+def _uint8_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB Pillow image as a 3 x H x W uint8 tensor."""
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+# The reference pipelines (--data-backend pil): Pillow all the way, float32 out of the worker.
+
+def train_transform(image_size: int, crop_scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5):
+    return transforms.Compose([
+        transforms.RandomResizedCrop(image_size, scale=crop_scale, ratio=CROP_RATIO),
+        transforms.RandomHorizontalFlip(hflip),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+def val_transform(image_size: int, val_resize: int):
+    return transforms.Compose([
+        transforms.Resize(val_resize),
+        transforms.CenterCrop(image_size),
+        transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+    ])
+
+
+class PILImages:
+    """--data-backend pil: path -> (normalised float image, bytes read)."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, path: str) -> Tuple[torch.Tensor, int]:
+        image, file_bytes = read_rgb(path)
+        return self.transform(image), file_bytes
+
+
+# The fast pipelines: uint8 tensors, one geometry for every decoder.
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What becomes of one image: the training crop box (in the full-size
+    image's pixels) and flip, or, with `crop` None, validation's resize of
+    the short side to `val_resize` and centre crop."""
+
+    image_size: int
+    crop: Optional[Tuple[int, int, int, int]] = None  # (top, left, height, width)
+    flip: bool = False
+    val_resize: int = 0
+
+    def reduction(self, width: int, height: int) -> int:
+        """The largest DCT scaling 1, 2, 4 or 8 that still leaves at least
+        the output's pixels for the crop: libjpeg then skips the inverse DCT,
+        upsampling and colour work of the pixels it does not produce (its
+        entropy decoding, most of the time on photo-like files, stays)."""
+        if self.crop is None:
+            return 1  # validation decodes at full size, as the reference does: top-1 stays comparable
+        for factor in (8, 4, 2):
+            if min(self.crop[2], self.crop[3]) >= factor * self.image_size:
+                return factor
+        return 1
+
+    def apply(self, image: torch.Tensor, full_width: int, full_height: int) -> torch.Tensor:
+        """Crop, resize and flip a 3 x H x W uint8 image (on any device),
+        which may be a 1/k-size decode of a full_width x full_height file."""
+        size = [self.image_size, self.image_size]
+        if self.crop is None:
+            image = tensor_ops.resize(image, [self.val_resize], antialias=True)
+            return tensor_ops.center_crop(image, size)
+        top, left, height, width = self.crop
+        scale_y, scale_x = image.shape[-2] / full_height, image.shape[-1] / full_width
+        if scale_x != 1.0 or scale_y != 1.0:  # a reduced decode: the same box, in its pixels
+            top, left = int(round(top * scale_y)), int(round(left * scale_x))
+            height = max(1, min(int(round(height * scale_y)), image.shape[-2] - top))
+            width = max(1, min(int(round(width * scale_x)), image.shape[-1] - left))
+        image = tensor_ops.resized_crop(image, top, left, height, width, size, antialias=True)
+        return tensor_ops.horizontal_flip(image) if self.flip else image
+
+
+class TensorImages:
+    """--data-backend torchvision: path -> (3 x S x S uint8 image, bytes
+    read). With `train`, the crop and flip are drawn from torch's generator
+    exactly as the reference's RandomResizedCrop and RandomHorizontalFlip
+    draw them."""
+
+    def __init__(self, train: bool, image_size: int, crop_scale: Sequence[float] = (0.08, 1.0),
+                 hflip: float = 0.5, val_resize: int = 256, reduced_decode: bool = True):
+        self.train = train
+        self.image_size = image_size
+        self.crop_scale = list(crop_scale)
+        self.hflip = hflip
+        self.val_resize = val_resize
+        self.reduced_decode = reduced_decode
+
+    def geometry(self, width: int, height: int) -> Geometry:
+        if not self.train:
+            return Geometry(self.image_size, val_resize=self.val_resize)
+        # get_params reads only the shape of what it is given: a meta tensor has one and no memory
+        shape_only = torch.empty((3, height, width), device="meta")
+        box = transforms.RandomResizedCrop.get_params(shape_only, self.crop_scale, list(CROP_RATIO))
+        flip = bool(torch.rand(1) < self.hflip)  # RandomHorizontalFlip's draw
+        return Geometry(self.image_size, crop=box, flip=flip)
+
+    def __call__(self, path: str) -> Tuple[torch.Tensor, int]:
+        encoded = read_file(path)
+        return self.transform(encoded, path), len(encoded)
+
+    def transform(self, encoded: bytes, path: str) -> torch.Tensor:
+        header = jpeg_header(encoded)
+        if header is None:  # not a JPEG, or one Pillow sees oddities in: Pillow decodes (or names the problem)
+            image = _uint8_tensor(decode_rgb(encoded, path))
+            return self.geometry(image.shape[-1], image.shape[-2]).apply(image, image.shape[-1], image.shape[-2])
+        width, height, _ = header
+        geometry = self.geometry(width, height)
+        factor = geometry.reduction(width, height) if self.reduced_decode else 1
+        image = None
+        if factor == 1:
+            image = decode_jpeg_quietly(encoded)
+        if image is None:  # reduced, or what torchvision refused: Pillow's decoder (the same libjpeg)
+            draft = (width // factor, height // factor) if factor > 1 else None
+            image = _uint8_tensor(decode_rgb(encoded, path, draft))
+        return geometry.apply(image, width, height)
+
+
+def jpeg_header(encoded: bytes) -> Optional[Tuple[int, int, str]]:
+    """(width, height, Pillow's mode) of a baseline or progressive RGB,
+    grayscale or CMYK JPEG, read from its header without decoding; None for
+    anything else."""
+    if not encoded.startswith(JPEG_START):
+        return None
+    try:
+        with Image.open(io.BytesIO(encoded)) as image:
+            if image.format != "JPEG" or image.mode not in ("RGB", "L", "CMYK"):
+                return None
+            return (*image.size, image.mode)
+    except Exception:  # Pillow decides below, with its reason
+        return None
+
+
+def decode_jpeg_quietly(encoded: bytes) -> Optional[torch.Tensor]:
+    """torchvision's decode as a 3 x H x W uint8 tensor, or None where it
+    fails or warns (a damaged file): then Pillow decides, so both fast and
+    reference backends call the same files unreadable."""
+    data = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # libjpeg's complaints about the data: let Pillow decide
+        try:
+            return _decode_jpeg(data, device=torch.device("cpu"))
+        except Exception:
+            return None
+
+
+def _decode_jpeg(data, device: torch.device):
+    """torchvision's decode_jpeg (one tensor or a list) as RGB on `device`.
+    torchvision 0.29 deprecates its image decoders in favour of TorchCodec's
+    (once per process, a warning in every data-loading worker); they still work."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
+# --data-backend gpu: the worker sends the file and its geometry, the device decodes.
+
+@dataclasses.dataclass
+class Encoded:
+    """One image as a worker of the gpu backend hands it over: the JPEG's
+    bytes and geometry, or (files nvJPEG should not get) the finished uint8 image."""
+
+    data: Optional[torch.Tensor]  # the file's bytes, uint8
+    geometry: Optional[Geometry]
+    size: Tuple[int, int] = (0, 0)  # (width, height) of the file
+    path: str = ""
+    image: Optional[torch.Tensor] = None  # finished on the CPU
+
+
+class EncodedImages(TensorImages):
+    """--data-backend gpu: path -> (Encoded, bytes read). Only complete RGB
+    and grayscale JPEGs (an end marker) go to the GPU: a truncated file
+    meets Pillow in the worker, where --bad-images decides about it, and
+    CMYK, which nvJPEG does not convert, is finished in the worker."""
+
+    def __call__(self, path: str) -> Tuple[Encoded, int]:
+        encoded = read_file(path)
+        header = jpeg_header(encoded)
+        if header is None or header[2] not in ("RGB", "L") or not encoded.rstrip(b"\0").endswith(JPEG_END):
+            return Encoded(None, None, image=self.transform(encoded, path)), len(encoded)
+        data = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        return Encoded(data, self.geometry(header[0], header[1]), header[:2], path), len(encoded)
+
+
+class EncodedBatch:
+    """A batch of Encoded images in two tensors, built by collate in the
+    worker: the JPEG files end to end, and the images finished on the CPU
+    stacked. A worker's tensors reach the training process as shared-memory
+    segments that each hold a file descriptor while in flight: one per image
+    would run into the open-file limit at batch 256 with a few workers."""
+
+    def __init__(self, items: List[Encoded]):
+        jpegs = [item for item in items if item.image is None]
+        self.is_jpeg = [item.image is None for item in items]
+        self.data = torch.cat([item.data for item in jpegs]) if jpegs else torch.empty(0, dtype=torch.uint8)
+        self.lengths = [len(item.data) for item in jpegs]
+        self.geometries = [item.geometry for item in jpegs]
+        self.sizes = [item.size for item in jpegs]
+        self.paths = [item.path for item in jpegs]
+        finished = [item.image for item in items if item.image is not None]
+        self.finished = torch.stack(finished) if finished else None
+
+    def __len__(self) -> int:
+        return len(self.is_jpeg)
+
+    def decode(self, device: torch.device) -> torch.Tensor:
+        """The batch as N x 3 x S x S uint8 on `device`: JPEGs decoded there
+        in one call (nvJPEG on a GPU), cropped and resized there."""
+        decoded = zip(_decode_on(device, list(torch.split(self.data, self.lengths)), self.paths),
+                      self.geometries, self.sizes)
+        finished = iter(self.finished.to(device, non_blocking=True) if self.finished is not None else ())
+        images = []
+        for is_jpeg in self.is_jpeg:
+            if is_jpeg:
+                image, geometry, size = next(decoded)
+                images.append(geometry.apply(image, *size))
+            else:
+                images.append(next(finished))
+        return torch.stack(images)
+
+
+def _decode_on(device: torch.device, files: List[torch.Tensor], paths: List[str]) -> List[torch.Tensor]:
+    if not files:
+        return []
+    if device.type == "cuda":
+        # torchvision's GPU decoder writes its outputs from a stream of its own, without waiting for
+        # this one: memory this stream freed but still has queued work on must be finished with first.
+        torch.cuda.current_stream(device).synchronize()
+    try:
+        return _decode_jpeg(files, device)
+    except Exception:  # one file the device's decoder refuses fails the batch: one at a time, Pillow last
+        decoded = []
+        for data, path in zip(files, paths):
+            try:
+                decoded.append(_decode_jpeg(data, device))
+            except Exception:
+                decoded.append(_uint8_tensor(_decode_late(data.numpy().tobytes(), path)).to(device))
+        return decoded
+
+
+def _decode_late(encoded: bytes, path: str) -> Image.Image:
+    """Pillow's decode of a JPEG the GPU refused: past the workers, where
+    --bad-images skip could have put another image in its place."""
+    try:
+        return decode_rgb(encoded, path)
+    except BadImageError as error:
+        raise BadImageError(f"{path}: cannot decode image ({error.reason}); with --data-backend gpu this shows only "
+                            f"when the batch is decoded, too late for --bad-images skip: remove or replace the "
+                            f"file, or use --data-backend torchvision", reason=error.reason) from None
+
+
+# On the device: uint8 -> normalised float, memory format, prefetching.
+
+class DeviceInput:
+    """Batches as the model takes them: on `device`, float32, normalised
+    with the ImageNet mean and std, in the model's memory format. uint8
+    batches (torchvision and gpu backends) are converted here, on the
+    device, rather than in every worker; float batches (pil, already
+    normalised) only move. On a GPU, the next batch is copied (from pinned
+    memory), decoded and normalised on a side stream while the current step
+    runs; the training step never waits for the host except for the data."""
+
+    def __init__(self, device: torch.device, channels_last: bool = False):
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        shape = (1, 3, 1, 1)
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).mul_(255.0).reshape(shape)
+        self.inverse_std = torch.tensor(IMAGENET_STD, device=device).mul_(255.0).reciprocal_().reshape(shape)
+
+    def images(self, images) -> torch.Tensor:
+        """One batch's images on the device, ready for the model."""
+        if isinstance(images, EncodedBatch):
+            images = images.decode(self.device)
+        images = images.to(self.device, non_blocking=True)
+        if images.dtype == torch.uint8:
+            images = images.to(torch.float32, memory_format=self.memory_format).sub_(self.mean).mul_(self.inverse_std)
+        return images.contiguous(memory_format=self.memory_format)
+
+    def batch(self, batch):
+        return batch._replace(image=self.images(batch.image), target=batch.target.to(self.device, non_blocking=True))
+
+    def __call__(self, batches: Iterable) -> Iterator:
+        """The batches of `batches` (Samples), finished on the device."""
+        if self.device.type != "cuda":
+            for batch in batches:
+                yield self.batch(batch)
+            return
+        stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)  # the mean and std were made on the current stream
+        batches = iter(batches)
+
+        def prepare(batch):
+            if batch is None:
+                return None
+            with torch.cuda.stream(stream):
+                return self.batch(batch)
+
+        upcoming = prepare(next(batches, None))
+        while upcoming is not None:
+            current.wait_stream(stream)
+            ready = upcoming
+            # Made on the side stream, used on the current one: their memory must not be reused
+            # before the current stream is done with them.
+            ready.image.record_stream(current)
+            ready.target.record_stream(current)
+            upcoming = prepare(next(batches, None))
+            yield ready
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """A uint8 batch (or image) as the model takes it, on its own device (for
+    tools and tests: training uses DeviceInput)."""
+    single = images.dim() == 3
+    finished = DeviceInput(images.device).images(images.unsqueeze(0) if single else images)
+    return finished[0] if single else finished

@@ -1,0 +1,92 @@
+"""The benchmark harness (python -m common.bench): one JSON line per
+configuration with the documented fields, the same rows in the CSV, and the
+ratios computed from them."""
+import csv
+import json
+
+import pytest
+
+from common import bench
+from conftest import make_image_folder, run_command
+
+import sys
+
+NUMBERS = ("images_per_second", "ms_per_step", "peak_memory_mib")
+
+
+def json_rows(stdout: str) -> list:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def check_rows(rows: list, csv_path) -> None:
+    for row in rows:
+        assert tuple(row) == bench.FIELDS  # every field, in order
+        for field in NUMBERS:
+            assert float(row[field]) > 0, (row["config"], field)
+        assert row["torch"] and row["torchvision"] and row["device_name"] and row["date"]
+    with open(csv_path, newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert [row["config"] for row in written] == [row["config"] for row in rows]
+    assert [float(row["images_per_second"]) for row in written] == [row["images_per_second"] for row in rows]
+
+
+def test_record_has_every_field_and_refuses_unknown_ones():
+    row = bench.record(section="train", config="nd", images_per_second=1.0)
+    assert tuple(row) == bench.FIELDS and row["ms_per_step"] == ""
+    with pytest.raises(ValueError):
+        bench.record(images_per_sec=1.0)
+
+
+def test_ratios_are_the_configurations_quotients_against_their_targets():
+    rows = [bench.record(section="train", config="reference", images_per_second=10.0),
+            bench.record(section="train", config="nd", images_per_second=12.0),
+            bench.record(section="train", config="ddp_apex O2 channels_last", images_per_second=21.0),
+            bench.record(section="input", config="reference", workers=1, images_per_second_per_worker=100.0),
+            bench.record(section="input", config="reference", workers=2, images_per_second_per_worker=90.0),
+            bench.record(section="input", config="torchvision", workers=2, images_per_second_per_worker=150.0),
+            bench.record(section="end-to-end", config="nd", images_per_second=6.0)]
+    lines = bench.ratios(rows)
+    assert lines[0].startswith("train: fp32 (imagenet_nd.py) over the reference loop: 1.20x") and "met)" in lines[0]
+    assert ": 2.10x" in lines[1] and "NOT met" in lines[1]
+    assert ": 1.50x" in lines[2] and "NOT met" in lines[2]  # the best per-worker figure of each: 150 / 100
+    assert lines[3] == "end-to-end: real JPEGs over synthetic data, nd: 0.50 (1.00 = not input-bound)"
+
+
+def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    csv_path = tmp_path / "bench.csv"
+    completed = run_command([sys.executable, "-m", "common.bench", "--sections", "input", "--data", root,
+                             "--workers", "0", "1", "-b", "4", "--input-batches", "2", "--image-size", "32",
+                             "--csv", csv_path])
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json_rows(completed.stdout)
+    assert [(row["config"], row["workers"]) for row in rows] == [
+        (backend, workers) for backend in ("reference", "pil", "torchvision") for workers in (0, 1)]
+    check_rows(rows, csv_path)
+    assert all(row["images_per_second_per_worker"] == row["images_per_second"] for row in rows if row["workers"] == 1)
+    again = run_command([sys.executable, "-m", "common.bench", "--sections", "input", "--data", root, "--csv",
+                         csv_path])
+    assert again.returncode == 2 and "exists" in again.stderr  # a result is never overwritten
+
+
+@pytest.mark.slow
+def test_train_section_runs_each_script_and_the_reference_loop(tmp_path):
+    csv_path = tmp_path / "bench.csv"
+    completed = run_command([sys.executable, "-m", "common.bench", "--sections", "train", "-b", "4",
+                             "--image-size", "32", "--steps", "2", "--warmup-steps", "1", "--csv", csv_path],
+                            timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json_rows(completed.stdout)
+    check_rows(rows, csv_path)
+    described = {row["config"]: (row["precision"], row["memory_format"]) for row in rows}
+    assert described == {
+        "reference": ("fp32", "contiguous"),
+        "nd": ("fp32", "channels_last"),  # --memory-format auto on the CPU
+        "nd contiguous": ("fp32", "contiguous"),
+        "ddp": ("fp32", "channels_last"),
+        "ddp_apex O1": ("O1 bf16", "channels_last"),
+        "ddp_apex O2 channels_last": ("O2 bf16", "channels_last"),
+    }
+    assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 for row in rows)
+    assert any(line.startswith("train: fp32 (imagenet_nd.py) over the reference loop: ")
+               for line in completed.stdout.splitlines())
