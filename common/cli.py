@@ -221,8 +221,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                                          "(AlexNet, VGG, SqueezeNet, MobileNet, EfficientNet, ...); default: "
                                          "the architecture's own")
     group.add_argument("--memory-format", choices=("auto", "channels_last", "contiguous"), default="auto",
-                       help="of the model and the input batches. auto: channels_last on the CPU (oneDNN's faster "
-                            "layout) and with --opt-level O2/O3 on GPUs (tensor cores), contiguous (NCHW) otherwise")
+                       help="memory layout of the model and the input batches. auto: channels_last on the CPU "
+                            "(oneDNN's faster layout) and with --opt-level O2/O3 on GPUs (tensor cores), contiguous "
+                            "(NCHW) otherwise")
     group.add_argument("--channels-last", dest="memory_format", action="store_const", const="channels_last",
                        help="the same as --memory-format channels_last")
     if mode != "dp":  # nn.DataParallel copies the model to every GPU at each step: torch.compile does not follow
