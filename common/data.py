@@ -49,9 +49,10 @@ class Sample(NamedTuple):
     them into the same shape, with tensors (collate). `image` is a 3 x S x S
     uint8 tensor (torchvision backend, synthetic data), a normalised float
     one (pil) or the file for the GPU to decode (gpu; an EncodedBatch once
-    collated): common.pipelines.DeviceInput finishes each on the device. `file_bytes` is what reading the
-    image took from storage (0 for synthetic data): summed over a split and
-    over processes it is the exact volume the input pipeline read."""
+    collated): common.pipelines.DeviceInput finishes each on the device.
+    `file_bytes` is what reading the image took from storage (0 for
+    synthetic data): summed over a split and over processes it is the exact
+    volume the input pipeline read."""
 
     image: torch.Tensor
     target: int
