@@ -39,7 +39,8 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
 
     global_batch = cfg.batch_size * ctx.replicas
     lr = schedules.scaled_lr(cfg.lr, global_batch)
-    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
+    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay,  # fused on GPUs (not under fp16 loss scaling)
+                           loss_scaling=policy.scales_loss)
     schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 

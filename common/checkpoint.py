@@ -229,12 +229,23 @@ def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
 _WRAPPER_NAMES = {"module", "_orig_mod"}  # what DataParallel / DDP and torch.compile insert in parameter names
 
 
+def _plain_name(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part not in _WRAPPER_NAMES)
+
+
 def _plain_state_dict(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Drop the 'module.' and '_orig_mod.' components that wrappers add,
     wherever they stand: pytorch/examples wraps only AlexNet's and VGG's
     `features` (features.module.0.weight), so checkpoints of other trainers load too."""
-    return {".".join(part for part in key.split(".") if part not in _WRAPPER_NAMES): value
-            for key, value in state_dict.items()}
+    return {_plain_name(key): value for key, value in state_dict.items()}
+
+
+def _load_plain_state_dict(model: nn.Module, plain: Dict[str, torch.Tensor]) -> None:
+    """Load plain names into `model`, whose own names may hold wrappers inside
+    it (imagenet_dp.py's AlexNet and VGG on GPUs: features.module.0.weight)."""
+    target = unwrap(model)
+    own_names = {_plain_name(key): key for key in target.state_dict()}
+    target.load_state_dict({own_names.get(key, key): value for key, value in plain.items()})
 
 
 def load_model_weights(state: dict, model: nn.Module, arch: str, classes: List[str], flag: str, path: str) -> None:
@@ -254,7 +265,7 @@ def load_model_weights(state: dict, model: nn.Module, arch: str, classes: List[s
         raise UsageError(f"argument {flag}: {path} was trained on {len(saved_classes)} classes, DATA has "
                          f"{len(classes)} ({detail})")
     try:
-        unwrap(model).load_state_dict(_plain_state_dict(state["state_dict"]))
+        _load_plain_state_dict(model, _plain_state_dict(state["state_dict"]))
     except RuntimeError as error:
         raise UsageError(f"argument {flag}: {path} does not fit the {arch} model "
                          f"({error_summary(error, line=-1)})") from None

@@ -17,13 +17,16 @@ overwritten.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import io
 import json
+import multiprocessing
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 from PIL import Image
@@ -100,28 +103,48 @@ def fake_imagenet_image(rng: np.random.Generator, width: int = 500, height: int 
     return Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8))
 
 
+def _write_fake_class(folder: str, class_name: str, count: int, seed: Sequence[int], quality: int) -> int:
+    """`count` fake ImageNet JPEGs of one class and split into `folder`; their bytes.
+    Its own random stream (`seed`): the same files whatever the number of processes."""
+    rng = np.random.default_rng(list(seed))
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    written = 0
+    for image_index in range(count):
+        # ImageNet images vary in size around 500x375 (landscape, mostly).
+        width, height = int(rng.integers(450, 501)), int(rng.integers(333, 376))
+        buffer = io.BytesIO()
+        fake_imagenet_image(rng, width, height).save(buffer, format="JPEG", quality=quality)
+        Path(folder, f"{class_name}_{image_index}.JPEG").write_bytes(buffer.getvalue())
+        written += buffer.tell()
+    return written
+
+
 def write_fake_imagenet(out: Path, classes: int = 10, train_per_class: int = 100, val_per_class: int = 10,
-                        seed: int = 0, quality: int = 93) -> Dict[str, int]:
-    """A tree of ImageNet-shaped JPEGs: out/{train,val}/n<8 digits>/<class>_<i>.JPEG."""
+                        seed: int = 0, quality: int = 93, processes: Optional[int] = None) -> Dict[str, int]:
+    """A tree of ImageNet-shaped JPEGs: out/{train,val}/n<8 digits>/<class>_<i>.JPEG,
+    encoded by `processes` processes (default: one per CPU core, as many as there are folders)."""
     parameters = {"kind": "fake-imagenet", "classes": classes, "train_per_class": train_per_class,
                   "val_per_class": val_per_class, "seed": seed, "quality": quality}
 
     def write(root: Path) -> Dict[str, int]:
-        rng = np.random.default_rng(seed)
-        counts = {"train": 0, "val": 0, "bytes": 0}
+        chunks = []  # (split, folder, class name, count, seed)
         for class_index in range(classes):
             class_name = f"n{class_index:08d}"  # ImageNet's WordNet ids look like n01440764
-            for split, per_class in (("train", train_per_class), ("val", val_per_class)):
-                folder = root / split / class_name
-                folder.mkdir(parents=True, exist_ok=True)
-                for image_index in range(per_class):
-                    # ImageNet images vary in size around 500x375 (landscape, mostly).
-                    width, height = int(rng.integers(450, 501)), int(rng.integers(333, 376))
-                    buffer = io.BytesIO()
-                    fake_imagenet_image(rng, width, height).save(buffer, format="JPEG", quality=quality)
-                    (folder / f"{class_name}_{image_index}.JPEG").write_bytes(buffer.getvalue())
-                    counts[split] += 1
-                    counts["bytes"] += buffer.tell()
+            for split_index, (split, per_class) in enumerate((("train", train_per_class), ("val", val_per_class))):
+                chunks.append((split, str(root / split / class_name), class_name, per_class,
+                               (seed, class_index, split_index), quality))
+        workers = max(1, min(processes or os.cpu_count() or 1, len(chunks)))
+        counts = {"train": 0, "val": 0, "bytes": 0}
+        # ~15 ms an image on one core: ImageNet-sized trees are worth every core. A fresh interpreter
+        # per worker (spawn): the caller may hold threads (torch's) that fork would copy mid-lock.
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) if workers > 1 else \
+                contextlib.nullcontext() as pool:
+            results = (pool.map(_write_fake_class, *zip(*[chunk[1:] for chunk in chunks])) if pool else
+                       (_write_fake_class(*chunk[1:]) for chunk in chunks))
+            for (split, _, _, count, _, _), written in zip(chunks, results):
+                counts[split] += count
+                counts["bytes"] += written
         return counts
 
     return _write_dataset(Path(out), parameters, write)

@@ -425,8 +425,15 @@ class RendezvousError(UsageError):
     rank_specific = True
 
 
+def gpu_of_its_own(launcher: str, gpus_visible: int, local_rank: int) -> bool:
+    """Whether local rank `local_rank` has a GPU no other process of its node
+    takes (or runs on the CPU). srun --gpus-per-task=1, or a cgroup per task,
+    shows each process its own GPU alone, as device 0."""
+    return gpus_visible == 0 or local_rank < gpus_visible or (launcher == "slurm" and gpus_visible == 1)
+
+
 def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) -> Context:
-    if cfg.device != "cpu" and 0 < torch.cuda.device_count() <= local_rank:
+    if not gpu_of_its_own(launch.launcher, torch.cuda.device_count() if cfg.device != "cpu" else 0, local_rank):
         raise RendezvousError(f"local rank {local_rank} has no GPU of its own: {torch.cuda.device_count()} are "
                               f"visible on this node; start one process per GPU")
     device = select_device(cfg.device, local_rank)

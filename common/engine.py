@@ -61,15 +61,26 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
+def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float,
+        loss_scaling: bool = False) -> torch.optim.SGD:
     """SGD with momentum and weight decay, in as few kernel launches as the
-    parameters' device allows: fused (one kernel for all of them) on CUDA,
-    foreach (a few multi-tensor kernels) elsewhere. The same arithmetic as
-    the per-parameter loop, within floating-point rounding."""
+    parameters' device allows (sgd_implementation). The same arithmetic as
+    the per-parameter loop, within floating-point rounding. `loss_scaling`:
+    a GradScaler (fp16) may skip steps."""
     parameters = list(model.parameters())
     on_gpu = bool(parameters) and all(parameter.is_cuda for parameter in parameters)
     return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           **({"fused": True} if on_gpu else {"foreach": True}))
+                           **sgd_implementation(on_gpu, loss_scaling))
+
+
+def sgd_implementation(on_gpu: bool, loss_scaling: bool) -> dict:
+    """fused (one kernel for all parameters) on GPUs, foreach (a few
+    multi-tensor kernels) elsewhere and under fp16 loss scaling: torch's fused
+    SGD (2.11 to 2.15 at least) writes its momentum buffers on a step the
+    GradScaler skips for overflowing gradients, and on the first step leaves
+    them uninitialised, so the routine overflow of the first fp16 steps turns
+    the weights to NaN one step later (tests/test_precision.py shows it)."""
+    return {"fused": True} if on_gpu and not loss_scaling else {"foreach": True}
 
 
 @dataclasses.dataclass(frozen=True)

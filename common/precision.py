@@ -42,6 +42,7 @@ class FP32:
     name = "fp32"
     opt_level = "O0"
     channels_last = False  # FP32 leaves the memory format to --channels-last
+    scales_loss = False  # no GradScaler that could skip a step
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -89,6 +90,7 @@ class MixedPrecision(FP32):
             init_scale=2.0**16 if dynamic or not scaling else float(loss_scale),
             growth_interval=2000 if dynamic else NEVER_GROW,
         )
+        self.scales_loss = self.scaler.is_enabled()
         self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
         self.skipped_before_resume = 0
         self._skipped_now = None  # the same count, on the device, while training (read only at status())

@@ -186,6 +186,20 @@ def test_wrapper_names_inside_keys_are_dropped():
     assert list(checkpoint._plain_state_dict(state)) == ["features.0.weight", "fc.bias"]
 
 
+def test_weights_load_into_a_model_with_a_wrapper_inside_it(tmp_path):
+    """imagenet_dp.py on GPUs wraps only AlexNet's and VGG's features in
+    DataParallel (as pytorch/examples does): a checkpoint's plain names load
+    into features.module.*, and every tensor lands where it was saved from."""
+    saved = torchvision.models.alexnet(num_classes=3)
+    wrapped = torchvision.models.alexnet(num_classes=3)
+    wrapped.features = torch.nn.DataParallel(wrapped.features)  # on the CPU it holds the module as on GPUs
+    assert "features.module.0.weight" in wrapped.state_dict()
+    state = {"arch": "alexnet", "classes": ["a", "b", "c"], "state_dict": saved.state_dict()}
+    checkpoint.load_model_weights(state, wrapped, "alexnet", ["a", "b", "c"], "--resume", "x.pth.tar")
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(checkpoint._plain_state_dict(wrapped.state_dict())[name], tensor), name
+
+
 def test_optimizer_state_that_does_not_fit_is_a_usage_error(tmp_path):
     model = torchvision.models.resnet18(num_classes=3)
     adam = torch.optim.Adam(model.parameters())

@@ -6,7 +6,7 @@ import pytest
 
 from common import cli
 from common.cli import UsageError
-from common.distributed import discover, first_slurm_host, launched_identity, slurm_port
+from common.distributed import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
 
 
 def ddp_config(*flags):
@@ -192,3 +192,12 @@ def test_the_worker_named_for_a_failure_is_the_cause_not_a_peer_that_lost_it():
     assert _first_cause([(lost, PEER_LOST_EXIT_STATUS), (usage, 2)]) == usage
     assert _first_cause([(usage, 2), (lost, PEER_LOST_EXIT_STATUS), (killed, -9)]) == killed
     assert _first_cause([(lost, PEER_LOST_EXIT_STATUS)]) == lost  # the cause is on another node
+
+
+def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
+    assert gpu_of_its_own("torchrun", gpus_visible=4, local_rank=3)
+    assert not gpu_of_its_own("torchrun", gpus_visible=4, local_rank=4)  # two would share one
+    assert not gpu_of_its_own("spawn", gpus_visible=1, local_rank=1)
+    assert gpu_of_its_own("slurm", gpus_visible=1, local_rank=7)  # srun --gpus-per-task=1
+    assert not gpu_of_its_own("slurm", gpus_visible=2, local_rank=2)
+    assert gpu_of_its_own("spawn", gpus_visible=0, local_rank=5)  # the CPU

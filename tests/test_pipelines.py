@@ -2,10 +2,15 @@
 as the Pillow reference for the same random parameters, call the same files
 unreadable, and hand the model the same normalised numbers; the device stage,
 the optimizer and memory-format choices; --compile."""
+import io
 import shutil
+import warnings
 from pathlib import Path
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
+import numpy as np
 import torch
 from PIL import Image
 from torchvision import transforms
@@ -242,3 +247,62 @@ def test_compile_trains_a_few_cpu_steps_like_the_eager_model(tmp_path):
     assert abs(rows["compiled"]["loss"] - rows["eager"]["loss"]) <= 1e-3 * abs(rows["eager"]["loss"])
     state = torch.load(tmp_path / "compiled" / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
     assert not any(key.startswith("_orig_mod") for key in state["state_dict"])
+
+
+def test_a_batch_the_device_decoder_refuses_is_decoded_file_by_file_with_a_warning(tmp_path):
+    """The gpu backend's batch decode (here on the CPU, the same code): a
+    batch the decoder refuses goes file by file, which is slow, so it says
+    so; the good file is decoded anyway and the bad one is named."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((16, 24, 3), 200, np.uint8)).save(buffer, format="JPEG")
+    good, bad = buffer.getvalue(), b"\xff\xd8\xff\xe0" + bytes(200)
+    files = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in (good, good)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pipelines.GPUDecodeFallback)
+        decoded = pipelines._decode_on(torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+    assert [tuple(image.shape) for image in decoded] == [(3, 16, 24)] * 2
+    files[1] = torch.frombuffer(bytearray(bad), dtype=torch.uint8)
+    with pytest.warns(pipelines.GPUDecodeFallback, match="refused a batch"), \
+            pytest.raises(pipelines.BadImageError, match=r"^b\.jpg: cannot decode image .*too late for --bad-images"):
+        pipelines._decode_on(torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+
+
+def _jpeg(mode: str, size=(37, 23), **options) -> bytes:
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], len(mode)), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode).save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+JPEG_VARIANTS = {
+    "baseline": _jpeg("RGB"), "grayscale": _jpeg("L"), "cmyk": _jpeg("CMYK"),
+    "progressive": _jpeg("RGB", progressive=True), "optimized": _jpeg("RGB", optimize=True),
+    "4:4:4": _jpeg("RGB", subsampling=0), "restart markers": _jpeg("RGB", restart_marker_blocks=1),
+    "exif and icc": _jpeg("RGB", exif=b"Exif\x00\x00" + bytes(300), icc_profile=bytes(5000)),
+    "large": _jpeg("RGB", size=(4000, 3000)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(JPEG_VARIANTS))
+def test_the_jpeg_header_is_read_as_pillow_reads_it(variant):
+    encoded = JPEG_VARIANTS[variant]
+    with Image.open(io.BytesIO(encoded)) as image:
+        assert pipelines.jpeg_header(encoded) == (*image.size, image.mode)
+    # A fill byte before a marker is allowed; bytes that are no marker end the walk.
+    assert pipelines.jpeg_header(encoded[:2] + b"\xff" + encoded[2:]) == pipelines.jpeg_header(encoded)
+    assert pipelines.jpeg_header(encoded[:2] + b"\x00" + encoded[2:]) is None
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(cut=st.integers(0, len(JPEG_VARIANTS["exif and icc"])), tail=st.binary(max_size=40))
+def test_the_jpeg_header_of_any_truncated_or_damaged_file_is_the_header_or_none(cut, tail):
+    """Never an exception: a file cut short or continued with noise reads as
+    the right header when its frame header is whole, else as None (then
+    Pillow decides about the file)."""
+    whole = JPEG_VARIANTS["exif and icc"]
+    header = pipelines.jpeg_header(whole[:cut] + tail)
+    frame = whole.index(b"\xff\xc0")  # the frame header ends 10 bytes after its marker
+    if cut >= frame + 10:
+        assert header == (37, 23, "RGB")
+    else:
+        assert header is None or header[2] in ("L", "RGB", "CMYK")
