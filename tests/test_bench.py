@@ -87,6 +87,7 @@ def test_input_rounds_alternate_the_configurations_and_keep_each_ones_best(tmp_p
         ("reference", 70.0), ("pil", 90.0), ("torchvision", 100.0)]
 
 
+@pytest.mark.slow  # six fresh processes (35 s); the rounds and ratios are unit-tested above
 def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     csv_path = tmp_path / "bench.csv"

@@ -262,6 +262,7 @@ def test_ddp_validates_the_batchnorm_statistics_it_saves(data, tmp_path):
     assert float(metrics(run_dir)[-1]["loss"]) == pytest.approx(loss, abs=2e-4)  # printed to 4 decimals
 
 
+@pytest.mark.slow  # ~30 s; test_training's resume and the mid-epoch two-process test stay in the fast suite
 def test_a_two_process_resume_equals_an_uninterrupted_run(data, tmp_path):
     # Random crops, flips and dropout drawn in the training processes themselves (-j 0), differently
     # on each rank: the resumed processes must draw what the uninterrupted ones drew.

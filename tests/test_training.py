@@ -37,7 +37,8 @@ def max_abs_diff(a, b):
 
 def test_synthetic_command_runs_exactly_five_steps(tmp_path):
     result = run_script([REPO / "imagenet_nd.py", "--synthetic", "-a", "resnet18", "-b", "32", "--epochs", "1",
-                         "--steps-per-epoch", "5", "--logdir", tmp_path / "runs"], cwd=tmp_path, timeout=900)
+                         "--steps-per-epoch", "5", "--image-size", "64", "--val-resize", "64",
+                         "--logdir", tmp_path / "runs"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = read_metrics(run_dir)
@@ -47,7 +48,7 @@ def test_synthetic_command_runs_exactly_five_steps(tmp_path):
     assert "train epoch 0 [5/5]" in result.stdout and "[6/" not in result.stdout
     assert run_dir.name.endswith("_resnet18_cpux1_b32_cpu4_optO0")
     command = json.loads((run_dir / "config.json").read_text())["command"]
-    assert "imagenet_nd.py --synthetic -a resnet18 -b 32 --epochs 1 --steps-per-epoch 5" in command
+    assert "imagenet_nd.py --synthetic -a resnet18 -b 32 --epochs 1 --steps-per-epoch 5 --image-size 64" in command
 
 
 def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_data, tmp_path):
