@@ -223,12 +223,14 @@ def _peak_memory_mib(device: str) -> float:
 def measure_input(backend: str, root: str, image_size: int, batch_size: int, workers: int, batches: int,
                   device: str) -> Dict[str, float]:
     """Batches per second of training crops, finished on the device (as the
-    training loop receives them), after one warm-up batch."""
+    training loop receives them: in imagenet_nd.py's memory format, NCHW for
+    the reference), after one warm-up batch."""
     import torch
 
-    from common import cli, data, distributed
+    from common import cli, data, distributed, models, precision
     from common.pipelines import DeviceInput
 
+    channels_last = False
     if backend == "reference":
         loader = reference_input(root, image_size, batch_size, workers)
     else:
@@ -237,7 +239,8 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
         loaders = data.build_loaders(cfg, distributed.single_process(device))
         loaders.set_epoch(0)
         loader = loaders.train
-    finish = DeviceInput(torch.device(device))
+        channels_last = models.uses_channels_last(cfg.memory_format, torch.device(device), precision.FP32())
+    finish = DeviceInput(torch.device(device), channels_last)
     images, started = 0, None
     for index, batch in enumerate(loader):
         if backend == "reference":  # (images, target) pairs

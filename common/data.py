@@ -35,8 +35,8 @@ from torch.utils.data import default_collate
 
 from common.cli import Config, UsageError
 from common.distributed import Context, data_loader_worker_init, gather_to_primary
-from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, PILImages, TensorImages, train_transform,
-                              val_transform)
+from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, PILImages, TensorImages, stack_images,
+                              train_transform, val_transform)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
@@ -221,12 +221,16 @@ class ImageFolderDataset(Dataset):
 
 
 def collate(samples: List[Sample]) -> Sample:
-    """default_collate, except that the gpu backend's encoded files become
-    one EncodedBatch (they differ in length: nothing to stack)."""
-    if not isinstance(samples[0].image, torch.Tensor):
-        rest = default_collate([sample._replace(image=0) for sample in samples])
-        return rest._replace(image=EncodedBatch([sample.image for sample in samples]))
-    return default_collate(samples)
+    """default_collate, except for the images: uint8 ones are stacked in
+    channels-last memory (pipelines.stack_images: the layout they are
+    made in), and the gpu backend's encoded files become one EncodedBatch
+    (they differ in length: nothing to stack)."""
+    images = [sample.image for sample in samples]
+    if isinstance(images[0], torch.Tensor) and images[0].dtype != torch.uint8:
+        return default_collate(samples)  # the pil backend's float images, as the reference stacks them
+    rest = default_collate([sample._replace(image=0) for sample in samples])
+    stacked = stack_images(images) if isinstance(images[0], torch.Tensor) else EncodedBatch(images)
+    return rest._replace(image=stacked)
 
 
 class BadImages:
@@ -271,8 +275,9 @@ class SyntheticImages(Dataset):
         self.length = length
         self.num_classes = num_classes
         generator = torch.Generator().manual_seed(seed)
-        self.pool = torch.randint(0, 256, (min(self.POOL_SIZE, length), 3, image_size, image_size),
-                                  generator=generator, dtype=torch.uint8)
+        # Interleaved pixels (channels-last), as decoded images are: see pipelines.stack_images.
+        self.pool = torch.randint(0, 256, (min(self.POOL_SIZE, length), image_size, image_size, 3),
+                                  generator=generator, dtype=torch.uint8).permute(0, 3, 1, 2)
 
     def __len__(self) -> int:
         return self.length

@@ -155,6 +155,27 @@ def test_synthetic_images_are_uint8_and_normalised_on_the_device():
     assert torch.equal(dataset[3].image, dataset[3].image)  # a pool: the same tensor each time
 
 
+@pytest.mark.parametrize("backend", ["torchvision", "synthetic"])
+def test_uint8_batches_leave_the_workers_channels_last_with_the_images_pixels(tiny_data, backend):
+    """Batches are stacked in the layout the images are made in (stack_images):
+    the same pixels as torch.stack, interleaved, across the worker's shared
+    memory; both memory formats then finish to the same floats."""
+    source = ["--synthetic"] if backend == "synthetic" else [str(tiny_data)]
+    cfg = cli.parse("nd", source + ["-b", "4", "-j", "1", "--image-size", "24", "--val-resize", "28"])
+    loaders = data.build_loaders(cfg, single_process("cpu"))
+    loaders.set_epoch(0)
+    dataset = loaders.train.dataset
+    indices = list(loaders.train.sampler)[:4]
+    batch = next(iter(loaders.train))
+    assert batch.image.shape == (4, 3, 24, 24) and batch.image.dtype == torch.uint8
+    assert batch.image.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(batch.image, torch.stack([dataset[index].image for index in indices]))  # the same draws
+    planar, interleaved = (DeviceInput(torch.device("cpu"), channels_last).images(batch.image) for channels_last in
+                           (False, True))
+    assert planar.is_contiguous() and interleaved.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(planar, interleaved)
+
+
 def test_one_loader_per_backend_yields_the_same_batches_within_a_gray_level(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=2, size=48)
     batches = {}
