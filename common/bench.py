@@ -222,15 +222,15 @@ def _peak_memory_mib(device: str) -> float:
 
 def measure_input(backend: str, root: str, image_size: int, batch_size: int, workers: int, batches: int,
                   device: str) -> Dict[str, float]:
-    """Batches per second of training crops, finished on the device (as the
-    training loop receives them: in imagenet_nd.py's memory format, NCHW for
-    the reference), after one warm-up batch."""
+    """Batches per second of training crops, finished on the device as the
+    end-to-end configuration takes them (channels-last: imagenet_nd.py's
+    default on the CPU, the AMP configuration's on a GPU; the reference's
+    float NCHW batches only move), after one warm-up batch."""
     import torch
 
-    from common import cli, data, distributed, models, precision
+    from common import cli, data, distributed
     from common.pipelines import DeviceInput
 
-    channels_last = False
     if backend == "reference":
         loader = reference_input(root, image_size, batch_size, workers)
     else:
@@ -239,8 +239,7 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
         loaders = data.build_loaders(cfg, distributed.single_process(device))
         loaders.set_epoch(0)
         loader = loaders.train
-        channels_last = models.uses_channels_last(cfg.memory_format, torch.device(device), precision.FP32())
-    finish = DeviceInput(torch.device(device), channels_last)
+    finish = DeviceInput(torch.device(device), channels_last=backend != "reference")
     images, started = 0, None
     for index, batch in enumerate(loader):
         if backend == "reference":  # (images, target) pairs
@@ -314,7 +313,9 @@ def run_script(script: str, flags: List[str], settings: Settings, logdir: Path, 
 
 def train_section(settings: Settings, logdir: Path, with_compile: bool,
                   only: Optional[Sequence[str]] = None) -> List[dict]:
-    """The reference loop, then each script configuration (those named in `only`, when given)."""
+    """The reference loop, then each script configuration: those named in
+    `only` when given (compiled ones included), else all, the compiled ones
+    `with_compile`."""
     rows = []
     common = dict(section="train", arch=settings.arch, batch_size=settings.batch_size,
                   image_size=settings.image_size, workers=0, data_backend="synthetic")
@@ -324,10 +325,10 @@ def train_section(settings: Settings, logdir: Path, with_compile: bool,
     rows.append(emit(record(config="reference", command="common.bench.reference_train_loop", precision="fp32",
                             memory_format="contiguous", compile=False, measured_steps=settings.steps,
                             warmup_steps=settings.warmup_steps, **common, **measured)))
-    for name, script, flags in TRAIN_CONFIGS + (COMPILE_CONFIGS if with_compile else ()):
+    for name, script, flags in TRAIN_CONFIGS + COMPILE_CONFIGS:
         if script == "imagenet_dp.py" and settings.device == "cpu":
             continue  # DataParallel without GPUs is the plain model: the nd row
-        if only is not None and name not in only:
+        if not (name in only if only is not None else with_compile or "--compile" not in flags):
             continue
         measured = run_script(script, flags, settings, logdir)
         rows.append(emit(record(config=name, compile="--compile" in flags, **common, **measured)))
@@ -348,7 +349,8 @@ def input_section(settings: Settings, root: str) -> List[dict]:
             measured = run_child({"kind": "input", "backend": backend, "root": root, "workers": workers,
                                   "image_size": settings.image_size, "batch_size": settings.batch_size,
                                   "batches": settings.input_batches, "device": settings.device})
-            if measured["images_per_second"] > best.get((backend, workers), {}).get("images_per_second", 0.0):
+            if (backend, workers) not in best or measured["images_per_second"] > best[backend, workers][
+                    "images_per_second"]:
                 best[backend, workers] = measured
             print(f"input {backend} -j {workers}: {measured['images_per_second']:.1f} images/s (round {round_ + 1} "
                   f"of {settings.input_rounds})", flush=True)

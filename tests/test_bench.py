@@ -127,3 +127,41 @@ def test_train_section_runs_each_script_and_the_reference_loop(tmp_path):
     assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 for row in rows)
     assert any(line.startswith("train: fp32 (imagenet_nd.py) over the reference loop: ")
                for line in completed.stdout.splitlines())
+
+
+def _fake_measurements(monkeypatch, images_per_second: float = 10.0) -> list:
+    """bench's subprocess measurements replaced by a fixed figure; returns the configurations asked for."""
+    asked = []
+    figures = {"images_per_second": images_per_second, "ms_per_step": 1.0, "peak_memory_mib": 1.0,
+               "images_per_second_per_worker": images_per_second}
+    monkeypatch.setattr(bench, "run_child", lambda spec: asked.append(spec.get("backend", spec["kind"])) or figures)
+    monkeypatch.setattr(bench, "run_script", lambda script, flags, *args, **kwargs: asked.append(
+        " ".join([script] + flags)) or dict(figures, precision="fp32", memory_format="contiguous",
+                                            measured_steps=1, warmup_steps=1))
+    return asked
+
+
+def test_train_configurations_named_run_compiled_ones_without_the_compile_flag(tmp_path, monkeypatch):
+    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
+                              workers=[1], data=None, input_batches=2, input_rounds=1)
+    asked = _fake_measurements(monkeypatch)
+    rows = bench.train_section(settings, tmp_path, with_compile=False, only=["nd compile"])
+    assert asked == ["reference-train", "imagenet_nd.py --compile"]
+    assert [(row["config"], row["compile"]) for row in rows] == [("reference", False), ("nd compile", True)]
+    asked.clear()
+    every = bench.train_section(settings, tmp_path, with_compile=False)
+    assert [row["config"] for row in every] == ["reference"] + [
+        name for name, script, _ in bench.TRAIN_CONFIGS if script != "imagenet_dp.py"]  # no DataParallel on the CPU
+    asked.clear()
+    compiled = bench.train_section(settings, tmp_path, with_compile=True)
+    assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in bench.COMPILE_CONFIGS]
+
+
+def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    _fake_measurements(monkeypatch, images_per_second=0.0)
+    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
+                              workers=[1], data=str(root), input_batches=2, input_rounds=2)
+    rows = bench.input_section(settings, str(root))
+    assert [(row["config"], row["images_per_second"]) for row in rows] == [
+        ("reference", 0.0), ("pil", 0.0), ("torchvision", 0.0)]

@@ -83,7 +83,8 @@ def test_the_loss_guard_on_the_gpu_reads_its_flag_one_step_late_and_names_the_ba
 
 
 @pytest.mark.gpu
-def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path):
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels-last", "nchw"])
+def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path, channels_last):
     """DeviceInput on CUDA (side-stream copy, normalisation, nvJPEG decode of
     an EncodedBatch) yields, batch after batch and in order, what the CPU
     path yields: the same normalised values (nvJPEG rounds a level or two
@@ -109,12 +110,13 @@ def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path)
         expected.append(pipelines.normalize(torch.stack(references)))
     with warnings.catch_warnings():
         warnings.simplefilter("error", pipelines.GPUDecodeFallback)  # nvJPEG decoded every batch itself
-        finished = list(pipelines.DeviceInput(torch.device("cuda"), channels_last=True)(batches))
+        finished = list(pipelines.DeviceInput(torch.device("cuda"), channels_last)(batches))
     torch.cuda.synchronize()
     assert len(finished) == len(expected) == 3
     levels = torch.tensor(pipelines.IMAGENET_STD, device="cuda").reshape(1, 3, 1, 1) * 255
     for index, (batch, reference) in enumerate(zip(finished, expected)):
-        assert batch.image.is_cuda and batch.image.is_contiguous(memory_format=torch.channels_last)
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        assert batch.image.is_cuda and batch.image.is_contiguous(memory_format=layout)
         assert batch.target.tolist() == list(range(4 * index, 4 * index + 4))
         difference = ((batch.image - reference.cuda()) * levels).abs()
         # nvJPEG's IDCT and chroma upsampling are not libjpeg-turbo's: on these grain-heavy images an

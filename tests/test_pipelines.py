@@ -152,6 +152,7 @@ def test_synthetic_images_are_uint8_and_normalised_on_the_device():
     dataset = data.SyntheticImages(length=10, image_size=16, num_classes=3, seed=0)
     sample = dataset[3]
     assert sample.image.dtype == torch.uint8 and sample.image.shape == (3, 16, 16)
+    assert sample.image.unsqueeze(0).is_contiguous(memory_format=torch.channels_last)  # as decoded images are
     assert torch.equal(dataset[3].image, dataset[3].image)  # a pool: the same tensor each time
 
 
