@@ -17,7 +17,7 @@ endif
 RUNS ?= results/runs
 UPSTREAM ?= results/upstream
 NOTES ?= $(if $(filter results/runs,$(RUNS)),--notes results/NOTES.md)
-# Benchmark CSVs (python -m common.bench) whose tables RESULTS.md shows.
+# Benchmark CSVs (python -m common.tools.bench) whose tables RESULTS.md shows.
 BENCH ?= $(wildcard results/bench/*.csv)
 
 .PHONY: demo test test-all bench figures venv clean
@@ -40,12 +40,12 @@ test-all: $(INSTALLED)
 
 # `make bench`: the speed harness (README, "Speed"): ratios against the plain reference, a CSV in runs/bench/.
 bench: $(INSTALLED)
-	$(PY) -m common.bench
+	$(PY) -m common.tools.bench
 
 figures: $(INSTALLED)
-	$(PY) -m common.plots $(RUNS) --out figures
-	$(PY) -m common.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) > RESULTS.md.tmp
+	$(PY) -m common.tools.plots $(RUNS) --out figures
+	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream
+	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:

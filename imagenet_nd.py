@@ -7,7 +7,7 @@ The whole recipe, top to bottom; the loop itself is common/engine.py.
 """
 import torch
 
-from common import checkpoint, cli, data, distributed, engine, models, precision, preemption, schedules, telemetry
+from common import cli, config, data, distributed, engine, models, precision, schedules, telemetry
 
 
 def main(argv=None):
@@ -15,7 +15,7 @@ def main(argv=None):
     train(cfg, distributed.single_process(cfg.device))
 
 
-def train(cfg: cli.Config, ctx: distributed.Context) -> None:
+def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
 
@@ -31,32 +31,8 @@ def train(cfg: cli.Config, ctx: distributed.Context) -> None:
     global_batch = cfg.batch_size * ctx.replicas
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    schedule = schedules.LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-
-    # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
-    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,
-                              global_batch=global_batch, lr=lr)
-
-    trainer = engine.Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
-                             channels_last=channels_last, steps_per_epoch=cfg.steps_per_epoch,
-                             warmup_steps=cfg.warmup_steps, max_nonfinite_steps=cfg.max_nonfinite_steps,
-                             control=preemption.StopControl.for_run(cfg, ctx))
-    log.info(f"{cfg.arch} on {ctx.device_name()}, {loaders.summary()}")
-    if cfg.evaluate:
-        val, report = trainer.validate(loaders, start.start_epoch)
-        log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
-        return
-    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
-             f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
-    log.start_run(cfg, start, resolved={
-        "global_batch": global_batch, "lr": lr, "precision": policy.name, "channels_last": channels_last,
-        "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
-        "val_images": len(loaders.val.dataset),
-        "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
-        "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
-    })
-    trainer.fit(loaders, cfg.epochs, start, engine.RunFacts.of(cfg, global_batch, lr), desired_acc=cfg.desired_acc)
+    engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,
+               global_batch=global_batch, lr=lr)  # --resume, then training and validation, or --evaluate
 
 
 if __name__ == "__main__":

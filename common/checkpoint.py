@@ -1,4 +1,4 @@
-"""Checkpoints: atomic save, rotation, safe load, full-state and mid-epoch resume.
+"""Checkpoints: what one holds, writing it, loading it safely, resuming from it.
 
 A checkpoint holds everything needed to continue as if never stopped: the
 unwrapped model (so any of the four scripts can load it), optimizer,
@@ -6,49 +6,35 @@ precision-policy state (the loss scaler), the position (epoch, steps and
 images of it done: the LR schedule is a function of the position), the
 training split's sums and times so far (so the epoch's metrics row counts
 every step once), best top-1, seed, world size, global batch and LR, RNG
-states, class names and the run's options.
-
-In a run directory each checkpoint is a file of its own,
-checkpoint-epoch<E>-images<N>.pth.tar (E: the epoch in progress, N: its
-images done, all processes together); checkpoint.pth.tar is always the newest (a hard link, or a copy where
-the file system has none), model_best.pth.tar the best epoch's, and only the
-newest --keep-checkpoints files are kept. Files are written to a temporary
-name, flushed and renamed, so a crash mid-write leaves the previous
-checkpoint intact; --resume auto still checks each file and falls back to
-the previous one when the newest cannot be read. Loading uses
-torch.load(weights_only=True): a checkpoint cannot run code.
+states, class names and the run's options. The Checkpointer writes them
+for a run and keeps track of the best epoch and the newest file; where the
+files go, their names and which are kept is common.rundir's. Loading uses
+torch.load(weights_only=True): a checkpoint cannot run code; --resume auto
+checks each file and falls back to the previous one when the newest cannot
+be read.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import random
-import re
-import shutil
 import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common.cli import Config, UsageError, error_summary
+from common import rundir
+from common.config import Config
 from common.distributed import Context, broadcast_from_primary
+from common.errors import UsageError, error_summary
 from common.models import unwrap
+from common.rundir import CHECKPOINT_NAME, auto_run_name, kept_checkpoints
 
 FORMAT = "imagenet-reference-checkpoint/2"  # /2: a position within the epoch (step, images_done, partial_epoch)
-CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
-BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
-_KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
-
-
-def kept_name(epoch: int, images_done: int) -> str:
-    """The file name of the checkpoint taken with `images_done` images of epoch
-    `epoch` trained on. Images, not steps: a resume with another global batch
-    numbers its steps differently, but names must keep sorting by progress."""
-    return f"checkpoint-epoch{epoch:03d}-images{images_done:08d}.pth.tar"
 
 
 def capture_rng_state() -> dict:
@@ -116,63 +102,12 @@ def expected_bytes(model: nn.Module, optimizer: Optimizer) -> int:
     return weights + buffers * parameters
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it
-    over `path`: readers see the old file or the new one, never half of one."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def _link_atomically(source: Path, destination: Path) -> None:
-    """Make `destination` the same file as `source` (a hard link: no second
-    copy on disk; a copy where links are not supported), replacing it at once."""
-    temporary = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
-    try:
-        try:
-            os.link(source, temporary)
-        except OSError:
-            with open(source, "rb") as original:
-                _atomic_write(temporary, lambda handle: shutil.copyfileobj(original, handle))
-        os.replace(temporary, destination)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def position_of(path: Path) -> Optional[Tuple[int, int]]:
-    """(epoch, images done) of a checkpoint-epoch<E>-images<N>.pth.tar file; None for other names."""
-    match = _KEPT_NAME.match(Path(path).name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def kept_checkpoints(run_dir: Path) -> List[Path]:
-    """The run directory's checkpoint-epoch*-images*.pth.tar files, newest first."""
-    found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None]
-    return sorted(found, key=position_of, reverse=True)
-
-
 def save(state: dict, run_dir: Path, is_best: bool, keep: int = 3) -> Path:
-    """Save `state` as its own file in `run_dir`, make checkpoint.pth.tar (and,
-    when it is the best so far, model_best.pth.tar) that file, and delete all
-    but the newest `keep` checkpoint files. Call on the primary process only.
-    Returns the new file's path."""
-    run_dir = Path(run_dir)
-    path = run_dir / kept_name(state["epoch"], state.get("images_done", 0))
-    _atomic_write(path, lambda handle: torch.save(state, handle))
-    _link_atomically(path, run_dir / CHECKPOINT_NAME)
-    if is_best:
-        _link_atomically(path, run_dir / BEST_NAME)
-    for old in kept_checkpoints(run_dir)[keep:]:
-        old.unlink()
-    return path
+    """Save `state` as its own file in `run_dir` (common.rundir names it,
+    links checkpoint.pth.tar and model_best.pth.tar, and keeps the newest
+    `keep`). Call on the primary process only. Returns the new file's path."""
+    return rundir.add_checkpoint(Path(run_dir), state["epoch"], state.get("images_done", 0),
+                                 lambda handle: torch.save(state, handle), is_best, keep)
 
 
 def load(path: str, flag: str = "--resume") -> dict:
@@ -208,22 +143,6 @@ def newest_readable(run_dir: Path) -> Tuple[Optional[Path], List[str]]:
             continue
         return path, warnings
     return None, warnings
-
-
-def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
-    """The run directory's name for --resume auto: one that is the same when
-    the job starts again (requeued by Slurm, restarted by torchrun)."""
-    if cfg.run_name is not None:
-        return cfg.run_name
-    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    if environ.get("SLURM_JOB_ID"):
-        return f"slurm-{environ['SLURM_JOB_ID']}"
-    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id not in ("", "none"):
-        return f"torchrun-{run_id}"
-    raise UsageError("argument --resume: auto needs a run directory that stays the same when the job starts "
-                     "again: pass --run-name NAME (under Slurm the job id names it)")
 
 
 _WRAPPER_NAMES = {"module", "_orig_mod"}  # what DataParallel / DDP and torch.compile insert in parameter names
@@ -383,3 +302,91 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
                  + (f"; epoch {start.start_epoch} goes on after its first {start.images_done} images"
                     if start.images_done else ""))
     return start
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What a checkpoint records about the run besides the training state."""
+
+    arch: str
+    config: dict
+    global_batch: int
+    lr: float  # the peak rate after linear scaling
+    seed: int
+    keep_checkpoints: int = 3
+
+    @staticmethod
+    def of(cfg: Config, global_batch: int, lr: float) -> "RunFacts":
+        return RunFacts(arch=cfg.arch, config=cfg.to_dict(), global_batch=global_batch, lr=lr, seed=cfg.seed,
+                        keep_checkpoints=cfg.keep_checkpoints)
+
+
+class Checkpointer:
+    """The checkpoints of one run: the best validation top-1 so far, where
+    the newest file is, and writing a new one into the run directory (the
+    primary's; the others only keep count). Every process calls save() at
+    the same position, so what it keeps is the same everywhere but the path."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, precision, ctx: Context, facts: RunFacts,
+                 classes: List[str], start: ResumePoint, run_dir: Optional[Path],
+                 check_weights: Callable[[nn.Module, str], None] = lambda model, where: None):
+        self.model, self.optimizer, self.precision, self.ctx = model, optimizer, precision, ctx
+        # Raises when a weight is not finite on some process (engine.LossGuard.check_weights, a collective):
+        # a checkpoint is never written of weights a NaN has reached.
+        self.check_weights = check_weights
+        self.facts, self.classes, self.run_dir = facts, list(classes), run_dir
+        self.best_acc1, self.best_epoch = start.best_acc1, start.best_epoch
+        self.last_path: Optional[Path] = Path(start.path) if start.path else None  # on the primary
+        # (epoch, images done) of the newest checkpoint, the same on every process; None before any.
+        self._last_position = (start.start_epoch, start.images_done) if start.path else None
+
+    def validated(self, top1: float, epoch: int) -> bool:
+        """Note an epoch's validation top-1; whether it is the best so far."""
+        is_best = top1 > self.best_acc1
+        if is_best:
+            self.best_acc1, self.best_epoch = top1, epoch
+        return is_best
+
+    def holds(self, epoch: int, images_done: int) -> bool:
+        """Whether the newest checkpoint is already at this position (a stop
+        right after a checkpoint needs none of its own)."""
+        return self._last_position == (epoch, images_done)
+
+    def save(self, epoch: int, step: int, images_done: int, partial_epoch: Optional[dict],
+             is_best: bool) -> Optional[Path]:
+        """Write the state at step `step` (`images_done` images) of `epoch`
+        (after an epoch: the next one at step 0). The new file's path on the
+        primary, None elsewhere."""
+        self.check_weights(self.model, f"the checkpoint at epoch {epoch} step {step}")
+        self._last_position = (epoch, images_done)
+        if not self.ctx.is_primary:
+            return None
+        facts = self.facts
+        state = training_state(
+            model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(), epoch=epoch,
+            step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self.best_acc1,
+            best_epoch=self.best_epoch, arch=facts.arch, classes=self.classes, config=facts.config,
+            world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
+        )
+        self.last_path = save(state, self.run_dir, is_best, keep=facts.keep_checkpoints)
+        return self.last_path
+
+    def save_mid_epoch(self, epoch: int, step: int, images_done: int, partial_epoch: dict, steps: int,
+                       stopping: bool, log) -> Optional[Path]:
+        """The checkpoint at step `step` of `epoch`'s `steps`: its path (on the
+        primary), or the previous one's when that is at this position already
+        (a stop right after a checkpoint). A periodic one (not `stopping`)
+        that cannot be written is a warning: training goes on."""
+        if self.holds(epoch, images_done):  # decided alike on every process
+            return self.last_path
+        try:
+            path = self.save(epoch, step, images_done, partial_epoch, is_best=False)
+        except OSError as error:  # a full disk, say: the others would wait for the primary until --dist-timeout
+            if stopping:
+                raise
+            log.info(f"warning: could not write the checkpoint of epoch {epoch} step {step} ({error}); "
+                     f"training goes on, and the next checkpoint tries again")
+            return self.last_path
+        if not stopping:
+            log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
+        return path

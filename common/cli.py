@@ -8,23 +8,18 @@ spellings users know from the ImageNet reference scripts (pytorch/examples).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import os
 import signal
-import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
-# sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
-# writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
-STOPPED_EXIT_STATUS = 75
-# The training loss became NaN or inf (see engine.LossGuard): the run stopped without saving those weights.
-NONFINITE_EXIT_STATUS = 3
-
-# The parallelism modes, one per entry script.
-MODES = ("nd", "dp", "ddp", "ddp_apex")
+from common import launch
+from common.config import MODES, PREEMPT_SIGNALS, Config
+from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
+                              positive_int, unit_interval)
+from common.errors import STOPPED_EXIT_STATUS, UsageError, error_summary, program, run_main
+from common.models import available_architectures, check_one_image_per_step
 
 _DESCRIPTIONS = {
     "nd": "Train and validate an ImageNet classifier on one device (a GPU, or the CPU).",
@@ -32,148 +27,6 @@ _DESCRIPTIONS = {
     "ddp": "Train and validate an ImageNet classifier with DistributedDataParallel.",
     "ddp_apex": "DistributedDataParallel training with mixed precision (Apex-style --opt-level).",
 }
-
-
-class UsageError(Exception):
-    """A mistake the user can fix (a flag, a path, a dataset): reported as one
-    line naming the flag or path, with exit status 2 and no traceback."""
-
-    # Under DDP every process checks the same flags and folders and meets the same error; only the
-    # primary process reports those. A rank-specific error (an unreadable image in one process's
-    # share of the data, a peer it cannot reach) is reported by the process that meets it.
-    rank_specific = False
-
-    def __init__(self, message: str = ""):
-        super().__init__(one_line(message))
-
-
-# Control characters and line separators, as Python writes them in a string literal.
-_ESCAPED_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(32), 127, 0x85, 0x2028, 0x2029)}
-
-
-def one_line(text: str) -> str:
-    """`text` as one line, whatever a quoted path or value in it holds (a
-    newline in a file name): control characters are shown escaped."""
-    return text.translate(_ESCAPED_CONTROLS)
-
-
-def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:
-    """One line of an exception's message (the first, or `line`), at most
-    `limit` characters, for quoting inside a one-line UsageError; the
-    exception's type name when it has no message."""
-    lines = [text.strip() for text in str(error).splitlines() if text.strip()]
-    return lines[line][:limit] if lines else type(error).__name__
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Every resolved option of one run. Frozen: code reads it, never edits it."""
-
-    mode: str
-    data: Optional[str]
-    arch: str
-    pretrained: bool
-    memory_format: str  # auto | channels_last | contiguous (see common.models.uses_channels_last)
-    workers: int
-    image_size: int
-    val_resize: int
-    crop_scale: Tuple[float, float]  # area fraction range of the random training crop
-    hflip: float  # probability of a horizontal flip in training
-    synthetic: bool
-    epochs: int
-    start_epoch: int
-    batch_size: int  # per process (per device); the global batch is batch_size x world size
-    lr: float  # for a global batch of 256; scaled linearly to the real global batch
-    momentum: float
-    weight_decay: float
-    label_smoothing: float
-    lr_schedule: str
-    lr_steps: Tuple[int, ...]
-    warmup_epochs: float
-    print_freq: int
-    resume: Optional[str]
-    evaluate: bool
-    seed: int
-    desired_acc: Optional[float]  # percent, 0 < x <= 100
-    logdir: str
-    run_name: Optional[str]
-    steps_per_epoch: int
-    device: str
-    io_interval: float = 60.0  # seconds between block-device I/O samples; 0: no sampling
-    warmup_steps: int = 10  # first steps of each epoch left out of throughput and data-wait figures
-    report_dir: Optional[str] = None  # --evaluate: where the per-class report goes
-    checkpoint_every_steps: int = 0  # mid-epoch checkpoints every N steps; 0: not by steps
-    checkpoint_every_minutes: float = 10.0  # ... or every N minutes; 0: not by time
-    keep_checkpoints: int = 3
-    preempt_signal: str = "SIGUSR1"
-    requeue: str = "auto"  # auto | always | never
-    opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32
-    amp_dtype: Optional[str] = None  # fp16 | bf16; None: fp16 on CUDA, bf16 on the CPU
-    keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
-    loss_scale: Union[str, float, None] = None  # "dynamic" or a fixed scale; None: Apex's default
-    dropout: Optional[float] = None  # None: the architecture's own default
-    bad_images: str = "fail"  # fail | skip: what an unreadable image file does
-    deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
-    max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
-    data_backend: str = "torchvision"  # torchvision | pil | gpu: who decodes and transforms images (common.pipelines)
-    compile: bool = False  # torch.compile the model
-    # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
-    dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
-    dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU
-    world_size: Optional[int] = None  # nodes (pytorch/examples' meaning); None: one
-    rank: Optional[int] = None  # this node's rank among them
-    nproc_per_node: Optional[int] = None  # None: one per visible GPU, one on the CPU
-    local_rank: Optional[int] = None  # set by torch.distributed.launch
-    sync_bn: bool = False
-    dist_timeout: float = 300.0  # seconds
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# --- argparse value types: their messages are prefixed with the flag's name ---
-
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    def parse_int(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-        return value
-
-    return parse_int
-
-
-positive_int = _int_at_least(1, "a positive integer")
-non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _float_in(low: float, high: float, low_open: bool, high_open: bool, what: str) -> Callable[[str], float]:
-    def parse_float(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        too_low = value <= low if low_open else value < low
-        too_high = value >= high if high_open else value > high
-        if value != value or too_low or too_high:  # value != value: NaN
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return value
-
-    return parse_float
-
-
-positive_float = _float_in(0.0, float("inf"), True, True, "a positive number")
-non_negative_float = _float_in(0.0, float("inf"), False, True, "a number >= 0")
-unit_interval = _float_in(0.0, 1.0, False, True, "a number in [0, 1)")
-
-
-def percent(text: str) -> float:
-    """--desired-acc: 0.75 and 75 both mean 75% (values <= 1 are fractions)."""
-    value = _float_in(0.0, 100.0, True, False, "an accuracy in (0, 1] or (1, 100]")(text)
-    return value * 100.0 if value <= 1.0 else value
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -185,18 +38,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse calls this for every parse error
-        raise UsageError(f"{message} (see --help)")
-
-
 def build_parser(mode: str) -> argparse.ArgumentParser:
-    from common.models import available_architectures  # torchvision import: only when parsing
-
+    """The parser of entry script imagenet_<mode>.py: the flags every script
+    shares, in groups, and those of its mode (distributed, mixed precision)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    archs = available_architectures()
-    parser = _Parser(
+    parser = Parser(
         prog=program() or f"imagenet_{mode}.py",
         description=_DESCRIPTIONS[mode],
         formatter_class=_HelpFormatter,
@@ -207,16 +54,29 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         help="dataset folder holding train/<class>/<images> and val/<class>/<images> "
              "(may be omitted with --synthetic)",
     )
+    _add_model_flags(parser.add_argument_group("model"), mode)
+    _add_data_flags(parser.add_argument_group("data"))
+    _add_optimisation_flags(parser.add_argument_group("optimisation"))
+    _add_schedule_flags(parser.add_argument_group("learning-rate schedule"))
+    _add_run_flags(parser.add_argument_group("run"))
+    _add_checkpoint_flags(parser.add_argument_group("checkpoints and preemption"))
+    _add_measurement_flags(parser.add_argument_group("measurement"))
+    if mode in ("ddp", "ddp_apex"):
+        _add_distributed_flags(parser)
+    if mode == "ddp_apex":
+        _add_precision_flags(parser)
+    return parser
 
-    group = parser.add_argument_group("model")
+
+def _add_model_flags(group, mode: str) -> None:
     group.add_argument(
         "-a", "--arch", metavar="ARCH", default="resnet50",
-        help="any torchvision classification model: " + ", ".join(archs),
+        help="any torchvision classification model: " + ", ".join(available_architectures()),
     )
     group.add_argument("--pretrained", action="store_true",
                        help="start from torchvision's ImageNet weights (from the local torch hub cache, "
                             "or downloaded; the last linear layer is replaced when the class count differs)")
-    group.add_argument("--dropout", type=_float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
+    group.add_argument("--dropout", type=float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
                        metavar="P", help="dropout probability of the classifier, for architectures that have one "
                                          "(AlexNet, VGG, SqueezeNet, MobileNet, EfficientNet, ...); default: "
                                          "the architecture's own")
@@ -231,18 +91,19 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                            help="compile the model with torch.compile (the first steps take minutes while it "
                                 "compiles; throughput figures leave out --throughput-warmup-steps)")
 
-    group = parser.add_argument_group("data")
+
+def _add_data_flags(group) -> None:
     group.add_argument("-j", "--workers", type=non_negative_int, default=4, metavar="N",
                        help="data-loading worker processes per training process")
     group.add_argument("--image-size", type=positive_int, default=224, metavar="PIXELS",
                        help="side of the square training crop and of the validation centre crop")
     group.add_argument("--val-resize", type=positive_int, default=256, metavar="PIXELS",
                        help="validation images are resized so their short side is this, then centre-cropped")
-    group.add_argument("--crop-scale", type=_float_in(0.0, 1.0, True, False, "a fraction in (0, 1]"), nargs=2,
+    group.add_argument("--crop-scale", type=float_in(0.0, 1.0, True, False, "a fraction in (0, 1]"), nargs=2,
                        default=[0.08, 1.0], metavar=("MIN", "MAX"),
                        help="range of the image-area fraction the random training crop covers (the ImageNet "
                             "recipe's 0.08 1; small images such as the demo's digits want a milder range)")
-    group.add_argument("--hflip", type=_float_in(0.0, 1.0, False, False, "a probability in [0, 1]"), default=0.5,
+    group.add_argument("--hflip", type=float_in(0.0, 1.0, False, False, "a probability in [0, 1]"), default=0.5,
                        metavar="PROB", help="probability of flipping a training image horizontally "
                                             "(0 where mirror images mean something else, as with digits)")
     group.add_argument("--data-backend", choices=("torchvision", "pil", "gpu"), default="torchvision",
@@ -259,7 +120,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                             "of the dataset (the same on every process and in every epoch), counts it per epoch "
                             "(metrics.csv, bad_images) and lists it in the run directory's bad_images.csv")
 
-    group = parser.add_argument_group("optimisation")
+
+def _add_optimisation_flags(group) -> None:
     group.add_argument("--epochs", type=positive_int, default=90, metavar="N", help="total epochs to run")
     group.add_argument("--start-epoch", type=non_negative_int, default=0, metavar="N",
                        help="epoch number to start at (0-based; --resume sets it from the checkpoint)")
@@ -275,7 +137,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--label-smoothing", type=unit_interval, default=0.0, metavar="EPS",
                        help="label smoothing of the cross-entropy loss")
 
-    group = parser.add_argument_group("learning-rate schedule")
+
+def _add_schedule_flags(group) -> None:
     group.add_argument("--lr-schedule", choices=("step", "cosine"), default="step",
                        help="step: x0.1 at each of --lr-steps; cosine: half-cosine to 0 over the epochs "
                             "after warm-up")
@@ -285,7 +148,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        help="linear warm-up from lr/steps to lr over this many epochs, per step "
                             "(5 is usual for global batches above 1024)")
 
-    group = parser.add_argument_group("run")
+
+def _add_run_flags(group) -> None:
     group.add_argument("-p", "--print-freq", type=positive_int, default=10, metavar="N",
                        help="print a progress line every N steps")
     group.add_argument("--resume", default=None, metavar="PATH|auto",
@@ -317,7 +181,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                        help="auto: CUDA when a GPU is visible, else the CPU")
 
-    group = parser.add_argument_group("checkpoints and preemption")
+
+def _add_checkpoint_flags(group) -> None:
     group.add_argument("--checkpoint-every", type=_checkpoint_interval, default="10min", metavar="Nmin|Nsteps",
                        help="also write a checkpoint every N minutes (10min) or training steps (500steps) within "
                             "epochs, not only at their ends; 0: at epoch ends only")
@@ -332,7 +197,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                        help="after a stop on --preempt-signal, run `scontrol requeue $SLURM_JOB_ID`; auto: when "
                             "SLURM_JOB_ID is set")
 
-    group = parser.add_argument_group("measurement")
+
+def _add_measurement_flags(group) -> None:
     group.add_argument("--throughput-warmup-steps", dest="warmup_steps", type=non_negative_int, default=10,
                        metavar="N", help="leave each epoch's first N steps (start-up, cuDNN autotuning, workers "
                                          "filling their queues) out of images/s, s/step and data wait; a split "
@@ -343,11 +209,6 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     group.add_argument("--report-dir", default=None, metavar="DIR",
                        help="with --evaluate: write the per-class report (val_report.csv, "
                             "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
-    if mode in ("ddp", "ddp_apex"):
-        _add_distributed_flags(parser)
-    if mode == "ddp_apex":
-        _add_precision_flags(parser)
-    return parser
 
 
 def _checkpoint_interval(text: str) -> Tuple[int, float]:
@@ -363,11 +224,6 @@ def _checkpoint_interval(text: str) -> Tuple[int, float]:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"expected minutes like 10min, steps like 500steps, or 0, got {text!r}")
-
-
-# The signals a preemption warning can use: those that every process of the job (data-loading
-# workers included) is prepared to receive without dying (see common.distributed).
-PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
 
 
 def _signal_name(text: str) -> str:
@@ -461,8 +317,6 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
 
 def _check_values(ns: argparse.Namespace) -> None:
     """Checks across flags and on paths: each failure names its flag or path."""
-    from common.models import available_architectures
-
     archs = available_architectures()
     if ns.arch not in archs:
         close = difflib.get_close_matches(ns.arch, archs, n=1)
@@ -477,8 +331,6 @@ def _check_values(ns: argparse.Namespace) -> None:
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
     if ns.batch_size == 1 and not ns.evaluate:
-        from common.models import check_one_image_per_step
-
         check_one_image_per_step(ns.arch, ns.image_size)
     if ns.val_resize < ns.image_size:
         raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than --image-size {ns.image_size}")
@@ -527,44 +379,9 @@ def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:
         raise UsageError(f"{where}: cannot look at {path} ({error.strerror or error_summary(error)})") from None
 
 
-def program() -> str:
-    """The running script's name, as error lines start with it: `imagenet_nd.py`,
-    or `python -m common.plots` for a module run with -m."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name.startswith("common."):
-        return f"python -m {spec.name}"
-    return os.path.basename(sys.argv[0])
-
-
-def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
-    """Print `error` as one `prog: error: ...` line, once per node: by this
-    process if it runs alone (rank None), if it is the first process of its
-    node (local rank 0), or if it alone meets the error (error.rank_specific).
-    The other processes of a node meet the same error and stay silent."""
-    if rank is None or local_rank == 0 or error.rank_specific:
-        where = f"rank {rank}: " if rank else ""
-        print(f"{program()}: error: {where}{error}", file=sys.stderr, flush=True)
-    else:
-        # Local rank 0 meets the same error and reports it: give it a moment before this process's
-        # exit makes a launcher stop the job.
-        time.sleep(1.0)
-
-
 def run(main: Callable[[], object]) -> None:
     """Run an entry script's main(): a UsageError becomes one line on stderr
-    and exit status 2; Ctrl-C exits with 130 without a traceback."""
-    from common.distributed import ignore_stop_signals_until_training  # here: it imports this module
-
-    prog = program()
-    ignore_stop_signals_until_training()
-    try:
-        main()
-    except UsageError as error:
-        from common.distributed import launched_identity
-
-        report(error, *launched_identity())
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+    and exit status 2, Ctrl-C exit status 130, neither with a traceback
+    (errors.exit_status)."""
+    launch.ignore_stop_signals_until_training()
+    run_main(main, *launch.launched_identity())

@@ -33,8 +33,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
-from common.cli import Config, UsageError
-from common.distributed import Context, data_loader_worker_init, gather_to_primary
+from common.config import Config
+from common.distributed import Context, gather_to_primary
+from common.errors import UsageError
+from common.launch import data_loader_worker_init
 from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, PILImages, TensorImages, stack_images,
                               train_transform, val_transform)
 

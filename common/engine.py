@@ -1,4 +1,6 @@
-"""The one training loop: train_one_epoch, validate and fit, for every script.
+"""The one training loop, for every script: Trainer (a step, an epoch, a
+validation pass), fit (epochs, checkpoints, stops) and run (what every
+entry script ends with: resume, the run directory, then fit or --evaluate).
 
 The entry scripts differ only in how the model is wrapped and how the
 processes find each other; everything here runs unchanged for one device,
@@ -27,16 +29,19 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common import checkpoint, preemption
-from common.checkpoint import ResumePoint
-from common.cli import NONFINITE_EXIT_STATUS
+from common import checkpoint, measure, preemption
+from common.checkpoint import Checkpointer, ResumePoint, RunFacts
+from common.config import Config
 from common.data import BadImages, Loaders, derived_seed
 from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
-from common.pipelines import DeviceInput
+from common.errors import NONFINITE_EXIT_STATUS
+from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
+from common.pipelines import DeviceInput
 from common.preemption import Decision, StopControl, TrainingStopped
+from common.rundir import RunDirectory
 from common.schedules import LRSchedule, set_lr
-from common.telemetry import RunLog, StepTimer
+from common.telemetry import RunLog
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:
@@ -89,23 +94,6 @@ class FitResult:
     seconds: float  # wall time of this call, validation and checkpoints included
     best_acc1: float
     best_epoch: Optional[int]
-
-
-@dataclasses.dataclass(frozen=True)
-class RunFacts:
-    """What a checkpoint records about the run besides the training state."""
-
-    arch: str
-    config: dict
-    global_batch: int
-    lr: float  # the peak rate after linear scaling
-    seed: int
-    keep_checkpoints: int = 3
-
-    @staticmethod
-    def of(cfg, global_batch: int, lr: float) -> "RunFacts":
-        return RunFacts(arch=cfg.arch, config=cfg.to_dict(), global_batch=global_batch, lr=lr, seed=cfg.seed,
-                        keep_checkpoints=cfg.keep_checkpoints)
 
 
 class _Stop(Exception):
@@ -233,6 +221,9 @@ class LossGuard:
 
 @dataclasses.dataclass
 class Trainer:
+    """A training step, an epoch of them and a validation pass, on every
+    process alike; fit() runs them over the epochs."""
+
     model: nn.Module  # as the script wrapped it (plain, DataParallel or DDP)
     criterion: nn.Module
     optimizer: Optimizer
@@ -244,24 +235,17 @@ class Trainer:
     channels_last: bool = False
     steps_per_epoch: int = 0  # 0: whole epochs
     warmup_steps: int = 10  # first steps of each split left out of the throughput figures
-    max_nonfinite_steps: int = 0  # NaN/inf-loss steps skipped before the run stops (see LossGuard)
+    max_nonfinite_steps: int = 0  # NaN/inf-loss steps skipped before the run stops (see LossGuard), unless `guard`
     # Signals, stops and periodic checkpoints; NoStops: none of them (a Trainer used on its own).
     control: StopControl = dataclasses.field(default_factory=preemption.NoStops)
-    # Set by fit(): what checkpoints record besides the training state, and where the last one is.
-    _facts: Optional[RunFacts] = dataclasses.field(default=None, init=False)
-    _classes: list = dataclasses.field(default_factory=list, init=False)
-    _best_acc1: float = dataclasses.field(default=float("-inf"), init=False)
-    _best_epoch: Optional[int] = dataclasses.field(default=None, init=False)
-    _steps_since_checkpoint: int = dataclasses.field(default=0, init=False)
-    _last_checkpoint: Optional[Path] = dataclasses.field(default=None, init=False)  # on the primary
-    _checkpoint_written: bool = dataclasses.field(default=False, init=False)  # the same on every process
-    _trained: Optional[tuple] = dataclasses.field(default=None, init=False)  # (steps, images done, _PartialEpoch)
-    _guard: Optional[LossGuard] = dataclasses.field(default=None, init=False)
-
-    _input: Optional[DeviceInput] = dataclasses.field(default=None, init=False)
+    checkpointer: Optional[Checkpointer] = None  # None: no checkpoints (then `control` must ask for none)
+    guard: Optional["LossGuard"] = None  # None: a LossGuard of its own, with max_nonfinite_steps
+    # Where training stands after train_one_epoch, should a stop come before validation ends (see fit):
+    # (steps, images done, _PartialEpoch).
+    trained: Optional[tuple] = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
-        self._guard = LossGuard(self.ctx, self.max_nonfinite_steps)
+        self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
         self._input = DeviceInput(self.ctx.device, self.channels_last)  # batches finished on the device
 
     def _should_print(self, step: int, steps: int) -> bool:
@@ -283,11 +267,12 @@ class Trainer:
         for step in step_numbers:
             decision = self.control.step(epoch * steps + step)
             if decision.checkpoint or decision.stop:
-                self._guard.settle()  # never a checkpoint of weights a non-finite loss has touched
+                self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
                 with timer.paused():
                     partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
-                    path = self._save_mid_epoch(epoch, step, images_done + (step - step_numbers.start) *
-                                                loaders.global_batch, partial, steps, stopping=decision.stop)
+                    path = self.checkpointer.save_mid_epoch(
+                        epoch, step, images_done + (step - step_numbers.start) * loaders.global_batch,
+                        partial.to_dict(), steps, stopping=decision.stop, log=self.log)
                 if decision.stop:
                     raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}")
             batch = next(batches)
@@ -298,71 +283,34 @@ class Trainer:
             torch.manual_seed(derived_seed(loaders.seed, epoch, step, self.ctx.rank))
             lr = self.schedule.lr(epoch, step, steps)
             set_lr(self.optimizer, lr)
-            buffers = self._guard.buffers_before(self.model)
+            buffers = self.guard.buffers_before(self.model)
             with self.precision.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, target)
             files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
-            if self._guard.allows_update(loss, epoch, step, lr):
+            if self.guard.allows_update(loss, epoch, step, lr):
                 self.precision.backward_and_step(loss, self.optimizer)
                 sums.add(loss, logits, target, timed=timer.timing, **files)
             else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
-                self._guard.restore_buffers(self.model, buffers)
+                self.guard.restore_buffers(self.model, buffers)
                 self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
-                              f"({self._guard.skipped} of --max-nonfinite-steps {self.max_nonfinite_steps})")
+                              f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
                 sums.add_files(**files)
-            self._steps_since_checkpoint += 1
             if self._should_print(step, steps):  # the one host sync per interval
                 status = self.precision.status()
                 progress.show(step, sums.totals(), timer, lr, status)
                 self.log.explain_skipped_steps(status)
             timer.step_done()
-        self._guard.settle()
+        self.guard.settle()
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
-        bad_files = self._report_bad_images(epoch, "train", totals, bad_images, before.bad_files)
+        bad_files = _report_bad_images(self.log, self.ctx, epoch, "train", totals, bad_images, before.bad_files)
         timing = timer.finish(self.ctx, before.timing)
         if lr is None and steps:  # every step ran before the checkpoint this run resumed from
             lr = self.schedule.lr(epoch, steps - 1, steps)
-        # Where training stands, should a stop come before validation ends (see fit).
-        self._trained = (steps, images_done + len(step_numbers) * loaders.global_batch,
-                         _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
+        self.trained = (steps, images_done + len(step_numbers) * loaders.global_batch,
+                        _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
         return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                         self.precision.status())
-
-    def _save_mid_epoch(self, epoch: int, step: int, images_done: int, partial: "_PartialEpoch", steps: int,
-                        stopping: bool) -> Optional[Path]:
-        """The checkpoint at step `step` of `epoch` (primary only): its path,
-        or the previous one's when no step has run since (a stop right after a
-        checkpoint)."""
-        if self._steps_since_checkpoint == 0 and self._checkpoint_written:  # decided alike on every process
-            return self._last_checkpoint
-        try:
-            path = self._save(epoch, step, images_done, partial.to_dict(), is_best=False)
-        except OSError as error:  # a full disk, say: the others would wait for the primary until --dist-timeout
-            if stopping:
-                raise
-            self.log.info(f"warning: could not write the checkpoint of epoch {epoch} step {step} ({error}); "
-                          f"training goes on, and the next checkpoint tries again")
-            return self._last_checkpoint
-        if not stopping:
-            self.log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
-        return path
-
-    def _save(self, epoch: int, step: int, images_done: int, partial_epoch: Optional[dict],
-              is_best: bool) -> Optional[Path]:
-        self._guard.check_weights(self.model, f"the checkpoint at epoch {epoch} step {step}")  # a collective
-        self._steps_since_checkpoint, self._checkpoint_written = 0, True
-        if not self.log.is_primary:
-            return None
-        facts = self._facts
-        state = checkpoint.training_state(
-            model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(), epoch=epoch,
-            step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self._best_acc1,
-            best_epoch=self._best_epoch, arch=facts.arch, classes=self._classes, config=facts.config,
-            world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
-        )
-        self._last_checkpoint = checkpoint.save(state, self.log.run_dir, is_best, keep=facts.keep_checkpoints)
-        return self._last_checkpoint
 
     @torch.no_grad()
     def validate(self, loaders: Loaders, epoch: int) -> Tuple[EpochMetrics, ClassReport]:
@@ -402,101 +350,145 @@ class Trainer:
                 progress.show(step, sums.totals(), timer, None)
             timer.step_done()
         totals = sums.totals(self.ctx)
-        self._report_bad_images(epoch, "val", totals, bad_images)
+        _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
         report = sums.class_report(self.ctx)
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1)
         return metrics, report
 
-    def _report_bad_images(self, epoch: int, split: str, totals: MetricTotals, bad_images: BadImages,
-                           earlier: tuple = ()) -> tuple:
-        """Log the split's unreadable files, with those `earlier` in the epoch
-        (before the checkpoint this run resumed from); returns them all
-        (on the primary) as (path, reason) pairs."""
-        if not totals.bad_images:
-            return ()
-        files = {**dict(earlier), **bad_images.gathered(self.ctx, totals.bad_images)}
-        self.log.bad_images(epoch, split, totals.bad_images, files)
-        return tuple(files.items())
 
-    def fit(self, loaders: Loaders, epochs: int, start: ResumePoint, facts: RunFacts,
-            desired_acc: Optional[float] = None) -> FitResult:
-        """Train and validate epochs start.start_epoch .. epochs-1 (the first
-        from start's step on); after each, log the metrics and save a
-        checkpoint (primary process only). Stops early once validation top-1
-        reaches `desired_acc` (percent); on a stop signal, stops at a step all
-        processes agree on, after a checkpoint there, and raises
-        TrainingStopped (after `scontrol requeue` when it asks for one)."""
-        self._facts, self._classes = facts, loaders.classes
-        self._best_acc1, self._best_epoch = start.best_acc1, start.best_epoch
-        self._steps_since_checkpoint, self._last_checkpoint = 0, Path(start.path) if start.path else None
-        self._checkpoint_written = start.path is not None
-        fit_start = time.perf_counter()
-        epochs_run = 0
-        if start.start_epoch >= epochs:
-            self.log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
-        try:
-            with self.control:
-                for epoch in range(start.start_epoch, epochs):
-                    train = self.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
-                    decision = self.control.now()
-                    if decision.stop:  # before validation, which can take minutes: the grace period may be short
-                        steps, images_done, partial = self._trained
-                        path = self._save_mid_epoch(epoch, steps, images_done, partial, steps, stopping=True)
-                        raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})")
-                    val, report = self.validate(loaders, epoch)
-                    epochs_run += 1
-                    is_best = val.top1 > self._best_acc1
-                    if is_best:
-                        self._best_acc1, self._best_epoch = val.top1, epoch
-                    self.log.epoch_end(train, val, report, loaders.classes, self._best_acc1, self._best_epoch)
-                    path = self._save(epoch + 1, 0, 0, None, is_best)
-                    if desired_acc is not None and val.top1 >= desired_acc:
-                        self.log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
-                                      f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
-                        break
-                    decision = self.control.now()
-                    if decision.stop and epoch + 1 < epochs:
-                        raise _Stop(decision, path, f"the end of epoch {epoch}")
-        except _Stop as stop:
-            self._stopped(stop, fit_start, epochs_run)
-        except _NonFinite as problem:
-            self._diverged(str(problem), fit_start, epochs_run)
-        result = FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
-                           best_acc1=self._best_acc1, best_epoch=self._best_epoch)
-        self.log.finish(result)
-        return result
+def _report_bad_images(log: RunLog, ctx: Context, epoch: int, split: str, totals: MetricTotals,
+                       bad_images: BadImages, earlier: tuple = ()) -> tuple:
+    """Log the split's unreadable files, with those `earlier` in the epoch
+    (before the checkpoint this run resumed from); returns them all (on the
+    primary) as (path, reason) pairs. A collective when there are any."""
+    if not totals.bad_images:
+        return ()
+    files = {**dict(earlier), **bad_images.gathered(ctx, totals.bad_images)}
+    log.bad_images(epoch, split, totals.bad_images, files)
+    return tuple(files.items())
 
-    def _stopped(self, stop: _Stop, fit_start: float, epochs_run: int) -> None:
-        """After a stop's checkpoint: close the logs, requeue the Slurm job
-        when the signal asks for it, and exit with STOPPED_EXIT_STATUS."""
-        decision = stop.decision
-        self.control.ignore_signals()
-        self.log.info(f"stopping at {stop.where} on {decision.signal_name} (every process at this step): "
-                      f"checkpoint saved to {stop.path}")
-        self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
-                                  best_acc1=self._best_acc1, best_epoch=self._best_epoch), stopped=True)
-        if self.log.is_primary and decision.requeue and preemption.should_requeue(self.control.requeue):
-            preemption.requeue_slurm_job(self.log)
+
+def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
+        io_sampler: Optional[measure.IOSampler] = None, desired_acc: Optional[float] = None) -> FitResult:
+    """Train and validate epochs start.start_epoch .. epochs-1 (the first
+    from start's step on); after each, log the metrics and write a
+    checkpoint (trainer.checkpointer). Stops early once validation top-1
+    reaches `desired_acc` (percent); on a stop signal, stops at a step all
+    processes agree on, after a checkpoint there, and raises
+    TrainingStopped (after `scontrol requeue` when it asks for one)."""
+    log, control, checkpointer, ctx = trainer.log, trainer.control, trainer.checkpointer, trainer.ctx
+    fit_start = time.perf_counter()
+    epochs_run = 0
+
+    def result() -> FitResult:
+        return FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
+                         best_acc1=checkpointer.best_acc1, best_epoch=checkpointer.best_epoch)
+
+    if start.start_epoch >= epochs:
+        log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
+    try:
+        with control:
+            for epoch in range(start.start_epoch, epochs):
+                train = trainer.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
+                decision = control.now()
+                if decision.stop:  # before validation, which can take minutes: the grace period may be short
+                    steps, images_done, partial = trainer.trained
+                    path = checkpointer.save_mid_epoch(epoch, steps, images_done, partial.to_dict(), steps,
+                                                       stopping=True, log=log)
+                    raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})")
+                val, report = trainer.validate(loaders, epoch)
+                epochs_run += 1
+                is_best = checkpointer.validated(val.top1, epoch)
+                log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective
+                log.epoch_end(train, val, report, loaders.classes, checkpointer.best_acc1, checkpointer.best_epoch)
+                path = checkpointer.save(epoch + 1, 0, 0, None, is_best)
+                if desired_acc is not None and val.top1 >= desired_acc:
+                    log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
+                             f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
+                    break
+                decision = control.now()
+                if decision.stop and epoch + 1 < epochs:
+                    raise _Stop(decision, path, f"the end of epoch {epoch}")
+    except _Stop as stop:
+        # After a stop's checkpoint: close the logs, requeue the Slurm job when the signal asks for it,
+        # and exit with STOPPED_EXIT_STATUS.
+        control.ignore_signals()
+        log.info(f"stopping at {stop.where} on {stop.decision.signal_name} (every process at this step): "
+                 f"checkpoint saved to {stop.path}")
+        _finish(log, result(), io_sampler, ctx, stopped=True)
+        if log.is_primary and stop.decision.requeue and preemption.should_requeue(control.requeue):
+            preemption.requeue_slurm_job(log)
         # Everyone leaves together, after the primary's checkpoint and requeue: a launcher that stops the
         # job at a process's exit (srun --kill-on-bad-exit, torchrun) must not cut the checkpoint short.
-        self.control.barrier()
-        raise TrainingStopped(decision.signal_name)
-
-    def _diverged(self, problem: str, fit_start: float, epochs_run: int) -> None:
-        """After a non-finite loss, on every process at the same step: say
-        where and what to do, write nothing more, exit with NONFINITE_EXIT_STATUS."""
-        self.control.ignore_signals()
-        if self._last_checkpoint is not None:
-            what_now = (f"the weights since then are not saved and the last good checkpoint is {self._last_checkpoint} "
-                        f"(continue from it with --resume and a lower --lr or more --warmup-epochs)")
+        control.barrier()
+        raise TrainingStopped(stop.decision.signal_name)
+    except _NonFinite as problem:
+        # On every process at the same step: say where and what to do, write nothing more.
+        control.ignore_signals()
+        if checkpointer.last_path is not None:
+            what_now = (f"the weights since then are not saved and the last good checkpoint is "
+                        f"{checkpointer.last_path} (continue from it with --resume and a lower --lr or more "
+                        f"--warmup-epochs)")
         else:
             what_now = "no checkpoint was written before it (start again with a lower --lr or more --warmup-epochs)"
-        self.log.info(f"stopping: {problem}; {what_now}")
-        self.log.finish(FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
-                                  best_acc1=self._best_acc1, best_epoch=self._best_epoch), stopped=True)
-        self.control.barrier()  # the primary's line is out before any launcher stops the job at an exit
+        log.info(f"stopping: {problem}; {what_now}")
+        _finish(log, result(), io_sampler, ctx, stopped=True)
+        control.barrier()  # the primary's line is out before any launcher stops the job at an exit
         raise TrainingDiverged()
+    _finish(log, result(), io_sampler, ctx)
+    return result()
+
+
+def _finish(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampler], ctx: Context,
+            stopped: bool = False) -> None:
+    """The last I/O samples (a collective: every process calls this), then the closing lines."""
+    log.io_samples(measure.gather_io_rows(io_sampler, ctx, final=True))
+    log.finish(result, stopped=stopped)
+
+
+def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Optimizer, policy, loaders: Loaders, *,
+        channels_last: bool, global_batch: int, lr: float) -> Optional[FitResult]:
+    """What every entry script ends with, once its model is built and wrapped
+    and its optimizer made: the LR schedule and loss of the recipe, --resume
+    (to the step), then --evaluate's one validation pass, or the run
+    directory, the configuration record and fit()."""
+    schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
+    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, global_batch=global_batch, lr=lr)
+
+    guard = LossGuard(ctx, cfg.max_nonfinite_steps)
+
+    def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
+        return Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
+                       channels_last=channels_last, steps_per_epoch=cfg.steps_per_epoch,
+                       warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
+                       else preemption.NoStops(), checkpointer=checkpointer, guard=guard)
+
+    if cfg.evaluate:
+        val, report = trainer(None).validate(loaders, start.start_epoch)
+        log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
+        return None
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
+             f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
+    resolved = {
+        "global_batch": global_batch, "lr": lr, "precision": policy.name, "channels_last": channels_last,
+        "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
+        "val_images": len(loaders.val.dataset),
+        "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
+        "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
+    }
+    run_dir = RunDirectory.open(cfg, ctx, resolved["checkpoint_bytes"])  # a collective
+    if run_dir is not None and run_dir.resuming:
+        set_aside = run_dir.set_aside_after(start.start_epoch, start.images_done, start.path)
+        if set_aside is not None:
+            log.info(f"resuming at epoch {start.start_epoch} step {start.step}, {set_aside}")
+    log.start_run(cfg, start, resolved, run_dir)
+    io_sampler = measure.start_io_sampler(cfg, ctx)
+    checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr), loaders.classes,
+                                start, run_dir.path if run_dir is not None else None, guard.check_weights)
+    return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
 
 
 @dataclasses.dataclass(frozen=True)

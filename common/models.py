@@ -12,7 +12,7 @@ import torch
 import torchvision
 from torch import nn
 
-from common.cli import UsageError, error_summary
+from common.errors import UsageError, error_summary
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.

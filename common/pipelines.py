@@ -46,7 +46,7 @@ from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as tensor_ops
 
-from common.cli import UsageError, error_summary
+from common.errors import UsageError, error_summary
 
 DATA_BACKENDS = ("torchvision", "pil", "gpu")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

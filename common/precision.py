@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common.cli import UsageError
+from common.errors import UsageError
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

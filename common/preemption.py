@@ -31,8 +31,10 @@ from typing import Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from common.cli import STOPPED_EXIT_STATUS, Config
+from common.config import Config
 from common.distributed import Context, spans_processes
+from common.errors import STOPPED_EXIT_STATUS
+from common.launch import slurm_job_id
 
 # What a process's flag holds, combined by maximum: a requeueing stop outranks a plain one.
 _NOTHING, _CHECKPOINT, _STOP, _STOP_AND_REQUEUE = range(4)
@@ -200,10 +202,6 @@ class NoStops:
 
     def ignore_signals(self) -> None:
         pass
-
-
-def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    return environ.get("SLURM_JOB_ID") or None
 
 
 def should_requeue(mode: str, environ: Mapping[str, str] = os.environ) -> bool:

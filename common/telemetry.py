@@ -1,63 +1,43 @@
-"""What a run tells the world: progress lines, the run directory, config.json,
-metrics.csv and TensorBoard scalars. Only the primary process prints or
-writes; on the others every call is a no-op.
+"""Where a run's figures go: progress lines, config.json, metrics.csv,
+TensorBoard scalars, the per-class report and io.csv, all inside the run
+directory (common.rundir, which names and owns the files). Only the primary
+process prints or writes; on the others every call is a no-op. Nothing here
+is a collective: what crosses processes (metrics sums, timings, I/O samples)
+is reduced by the loop first (common.engine, common.measure) and handed in.
 
-A run directory holds everything about one run:
-  config.json         every resolved option, the command, host, versions, device
-  resumes.jsonl       one line per --resume into this directory (append-only)
-  before-resume-*/    what a resume from an earlier epoch would otherwise overwrite
-  metrics.csv         one row per epoch and split (columns: meters.EpochMetrics)
-  io.csv              block-device read/write rates sampled on each node (IOSampler)
-  val_report.csv      per-class precision, recall, F1, support of the last epoch; val_report_best.csv
-                      of the best; confusion_matrix.npy, confusion_matrix_best.npy: their counts
-  events.out.tfevents.*  TensorBoard scalars; the x-axis is epochs completed (1-based)
-  steps/events.out.tfevents.*  the per-print-interval training curves (`*_interval`); x-axis: steps
-  checkpoint.pth.tar, model_best.pth.tar
-
-Timing costs no device synchronisation per step: the host reads the clock
-when a batch arrives and when a step is queued; the device is synchronised
-only where a measurement needs it (the end of the warm-up steps, and the
-print intervals and epoch ends, which read the metrics anyway). So
-`data wait` is the time the host waited for the input pipeline: when the
-device is the bottleneck the host runs ahead and waits at those syncs
-instead, and the share is small; when the pipeline is, it is large.
+What each file holds is in docs/outputs.md; TensorBoard's x-axis is epochs
+completed (1-based), and steps/ holds the per-print-interval training
+curves (`*_interval`, x-axis: steps).
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import dataclasses
 import datetime
-import itertools
 import json
-import math
 import os
 import platform
-import resource
 import shlex
-import shutil
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
 import torch
 import torchvision
 
-from common.checkpoint import (BEST_NAME, CHECKPOINT_NAME, ResumePoint, auto_run_name, kept_checkpoints,
-                               position_of)
-from common.cli import Config, UsageError, one_line
-from common.distributed import Context, all_reduce_max, all_reduce_sum, broadcast_from_primary, gather_to_primary
-from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
+from common.checkpoint import ResumePoint
+from common.config import Config
+from common.distributed import Context
+from common.errors import one_line
+from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
+from common.meters import ClassReport, EpochMetrics, MetricTotals
+from common.rundir import CHECKPOINT_NAME, RunDirectory, append_rows, format_bytes
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
-IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
-              "read_ops_per_second", "write_ops_per_second"]
-MIB = 2 ** 20
 
 # TensorBoard tag -> EpochMetrics field, per split; tags as in the upstream reference logs.
 _SCALARS = {
@@ -74,234 +54,6 @@ _SCALARS = {
             "Data/bad_images_val": "bad_images"},
 }
 BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
-
-
-# --- timing, memory and I/O ---
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_memory_mib(devices: List[torch.device]) -> float:
-    """On GPUs, the peak memory held by tensors since the last reset (the
-    split's start: see StepTimer), the most on any of `devices`; on the CPU,
-    the peak resident memory of this process since it started (data-loading
-    workers not included)."""
-    if devices[0].type == "cuda":
-        return max(torch.cuda.max_memory_allocated(device) for device in devices) / MIB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
-
-
-def host_memory_mib() -> float:
-    """This process's resident memory now (data-loading workers not
-    included), from /proc; NaN where there is none. Unlike the peak it can
-    fall, so a leak shows as growth from epoch to epoch."""
-    try:
-        with open("/proc/self/statm") as handle:
-            resident_pages = int(handle.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return math.nan
-    return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
-
-
-class StepTimer:
-    """Wall time of one split's steps on this process. The first
-    `warmup_steps` are left out of the rates (start-up, cuDNN autotuning,
-    workers filling their queues), unless the split has at most twice as
-    many steps, when every step counts. Call batch_ready() when a batch
-    arrives and step_done() when its step is queued."""
-
-    def __init__(self, steps: int, warmup_steps: int, devices: List[torch.device]):
-        # `steps`: the primary's count, the same on every process (validation shards can differ by a
-        # batch), so all of them leave out the same warm-up and their timed images add up.
-        self.warmup_steps = warmup_steps if steps > 2 * warmup_steps else 0
-        self.device = devices[0]
-        self.devices = devices
-        if self.device.type == "cuda":
-            for device in devices:
-                torch.cuda.reset_peak_memory_stats(device)
-        self.completed = 0
-        self.data_wait_seconds = 0.0  # after the warm-up
-        self.all_data_wait_seconds = 0.0  # every step, for the print intervals
-        self.start = self.timed_start = self.step_end = time.perf_counter()
-
-    @property
-    def timing(self) -> bool:
-        """Whether the current step counts for the rates (it is past the warm-up)."""
-        return self.completed >= self.warmup_steps
-
-    def batch_ready(self) -> None:
-        wait = time.perf_counter() - self.step_end
-        self.all_data_wait_seconds += wait
-        if self.timing:
-            self.data_wait_seconds += wait
-
-    def step_done(self) -> None:
-        self.completed += 1
-        if self.completed == self.warmup_steps:
-            synchronize(self.device)  # the warm-up's queued work is not billed to the timed steps
-            self.timed_start = time.perf_counter()
-        self.step_end = time.perf_counter()
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Leave what happens meanwhile (writing a checkpoint) out of every figure."""
-        paused_at = time.perf_counter()
-        try:
-            yield
-        finally:
-            pause = time.perf_counter() - paused_at
-            self.start += pause
-            self.timed_start += pause
-            self.step_end += pause
-
-    def finish(self, ctx: Context, before: Optional[SplitTiming] = None) -> SplitTiming:
-        """The split's timing; call after the epoch's metrics are reduced (which
-        waits for the device and the slowest process). A collective: the peak
-        memory is the maximum over processes, the data-wait share is over all
-        of them (their waits summed over their timed wall times). `before`:
-        the same split's timing up to a mid-epoch checkpoint this run resumed
-        from, which the result includes (each part left out its own warm-up)."""
-        now = time.perf_counter()
-        timed_seconds = now - self.timed_start if self.timing else 0.0  # nothing is timed before the warm-up ends
-        memory = torch.tensor([peak_memory_mib(self.devices), host_memory_mib()], dtype=torch.float64,
-                              device=ctx.device)
-        peak, host_memory = all_reduce_max(memory, ctx).tolist()
-        # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
-        waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
-        wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
-        # A part that ends within its warm-up (a mid-epoch checkpoint) left out only the steps it ran.
-        timing = SplitTiming(steps=self.completed, warmup_steps=min(self.warmup_steps, self.completed),
-                             seconds=now - self.start,
-                             timed_seconds=timed_seconds, data_wait_seconds=wait_seconds,
-                             all_timed_seconds=all_timed_seconds, peak_memory_mib=peak,
-                             host_memory_mib=host_memory)
-        return timing.plus(before) if before is not None else timing
-
-
-class DiskCounters(NamedTuple):
-    """Cumulative counters of one block device, from /proc/diskstats."""
-
-    major: int
-    minor: int
-    reads: int  # completed read operations
-    read_bytes: int
-    writes: int
-    write_bytes: int
-
-
-def read_diskstats(path: str = "/proc/diskstats") -> Dict[str, DiskCounters]:
-    """Block devices by name; diskstats counts in 512-byte sectors, whatever
-    the device's own sector size."""
-    devices = {}
-    with open(path) as handle:
-        for line in handle:
-            fields = line.split()
-            if len(fields) >= 10:
-                major, minor, name = int(fields[0]), int(fields[1]), fields[2]
-                devices[name] = DiskCounters(major, minor, int(fields[3]), 512 * int(fields[5]), int(fields[7]),
-                                             512 * int(fields[9]))
-    return devices
-
-
-def _filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
-    """The type of the file system holding `path` (the longest mount point above it)."""
-    target, best, fstype = os.path.realpath(path), "", "unknown"
-    try:
-        with open(mountinfo) as handle:
-            for line in handle:
-                before, _, after = line.partition(" - ")
-                mount_point = before.split()[4].replace("\\040", " ")
-                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) > len(best):
-                    best, fstype = mount_point, after.split()[0]
-    except (OSError, IndexError):
-        pass
-    return fstype
-
-
-def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Optional[str], str]:
-    """The diskstats name of the block device holding `path`, or None and why
-    there is none (a network or virtual file system: NFS, Lustre, GPFS,
-    overlay, tmpfs, btrfs subvolumes)."""
-    try:
-        devices = read_diskstats(diskstats)
-    except OSError as error:
-        return None, f"no block-device counters on this system ({diskstats}: {error.strerror})"
-    try:
-        st_dev = os.stat(path).st_dev
-    except OSError as error:  # say, a log directory that exists only on the primary's node
-        return None, f"cannot see {path} on this node ({error.strerror})"
-    for name, counters in devices.items():
-        if (counters.major, counters.minor) == (os.major(st_dev), os.minor(st_dev)):
-            return name, ""
-    return None, f"no block-device counters for {path} (on a {_filesystem_type(path)} file system)"
-
-
-class IOSampler:
-    """Samples the read and write rates of the block device holding the
-    dataset every `interval_seconds`, in a background thread (run on one
-    process per node). Where there are no counters, each sample says so
-    with empty values: missing, not zero. Nothing here raises."""
-
-    def __init__(self, dataset_path: str, interval_seconds: float, diskstats: str = "/proc/diskstats",
-                 clock=time.time):
-        self.interval_seconds = interval_seconds
-        self.diskstats, self.clock = diskstats, clock
-        self.host = socket.gethostname().split(".")[0]
-        self.device, self.missing_reason = block_device_of(dataset_path, diskstats)
-        self.rows: List[dict] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="io-sampler", daemon=True)
-        self._last = self._read()
-
-    def _read(self) -> Tuple[float, Optional[DiskCounters]]:
-        """Now and the device's counters (None where there are none). Never
-        raises: the sampler must not stop training, nor leave other
-        processes waiting in a collective for this one."""
-        try:
-            counters = read_diskstats(self.diskstats).get(self.device) if self.device else None
-        except (OSError, ValueError):
-            counters = None
-        return self.clock(), counters
-
-    def sample(self) -> None:
-        """Record the rates since the previous sample."""
-        (then, before), (now, after) = self._last, self._read()
-        self._last = (now, after)
-        row = {"wall_time": round(now, 3), "host": self.host, "device": self.device or f"none: {self.missing_reason}"}
-        if before is not None and after is not None and now > then:
-            seconds = now - then
-            row.update(read_bytes_per_second=(after.read_bytes - before.read_bytes) / seconds,
-                       write_bytes_per_second=(after.write_bytes - before.write_bytes) / seconds,
-                       read_ops_per_second=(after.reads - before.reads) / seconds,
-                       write_ops_per_second=(after.writes - before.writes) / seconds)
-        with self._lock:
-            self.rows.append(row)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
-            self.sample()
-
-    def start(self) -> "IOSampler":
-        self._thread.start()
-        return self
-
-    def take_rows(self) -> List[dict]:
-        with self._lock:
-            rows, self.rows = self.rows, []
-        return rows
-
-    def stop(self) -> None:
-        """Stop sampling; the time since the last sample becomes a last row if it is a second or more."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        if self.clock() - self._last[0] >= 1.0:
-            self.sample()
 
 
 def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_path: Path, npy_path: Path) -> None:
@@ -361,142 +113,11 @@ def environment(ctx: Context) -> dict:
     }
 
 
-def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
-    """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
-    the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
-    data-loading workers)."""
-    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.replicas}"
-            f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
-
-
-def _make_run_directory(path: Path, flag: str) -> bool:
-    """Create `path` if no other run has: mkdir is atomic, so two runs started
-    in the same second never share a directory. Returns False when it exists."""
-    try:
-        path.mkdir(parents=True, exist_ok=False)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as error:
-        raise UsageError(f"argument {flag}: cannot create {path} ({error.strerror})") from None
-
-
-def _run_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
-    """Where this run writes, and whether it continues an existing run
-    directory: --resume continues in the checkpoint's own run directory; a
-    new run always gets a directory of its own."""
-    logdir = Path(cfg.logdir)
-    if cfg.resume == "auto":  # the same directory every time the job starts (see checkpoint.auto_run_name)
-        run_dir = logdir / auto_run_name(cfg)
-        if (run_dir / "config.json").is_file():
-            return run_dir, True
-        _make_run_directory(run_dir, "--logdir")  # or it is there, from a start that ended before config.json
-        return run_dir, False
-    resumed = Path(cfg.resume).resolve().parent if cfg.resume else None
-    if resumed is not None and cfg.run_name is None and (resumed / "config.json").is_file():
-        return resumed, True
-    if cfg.run_name is not None:
-        run_dir = logdir / cfg.run_name
-        if resumed is not None and run_dir.is_dir() and resumed == run_dir.resolve():
-            return run_dir, True
-        if not _make_run_directory(run_dir, "--run-name"):
-            raise UsageError(f"argument --run-name: {run_dir} already exists; continue it with "
-                             f"--resume {run_dir / CHECKPOINT_NAME} or choose another name")
-        return run_dir, False
-    name = default_run_name(cfg, ctx, datetime.datetime.now(), socket.gethostname().split(".")[0])
-    for attempt in itertools.count(1):
-        run_dir = logdir / (name if attempt == 1 else f"{name}-{attempt}")
-        if _make_run_directory(run_dir, "--logdir"):
-            return run_dir, False
-
-
-# Room for the logs besides the checkpoints: metrics, TensorBoard events, reports (a 90-epoch ImageNet run
-# writes a few MiB).
-LOG_ROOM_BYTES = 64 * MIB
-
-
-def _check_room(run_dir: Path, resuming: bool, keep: int, checkpoint_bytes: Optional[int]) -> None:
-    """Before training: the run directory is writable and its file system
-    has room for the checkpoints to come, less those already there: the
-    --keep-checkpoints files, the one being written before the oldest is
-    deleted, and model_best.pth.tar, whose link keeps an otherwise deleted
-    file on disk. A run that fails at its first checkpoint hours in wastes
-    them. A new run's (still empty) directory is removed again when it fails."""
-    try:
-        if not os.access(run_dir, os.W_OK | os.X_OK):
-            raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
-        if checkpoint_bytes is None:
-            return
-        existing = len(kept_checkpoints(run_dir)) if resuming else 0
-        files = max(1, keep + 2 - existing)
-        needed = files * checkpoint_bytes + LOG_ROOM_BYTES
-        free = shutil.disk_usage(run_dir).free
-        if free < needed:
-            raise UsageError(f"argument --logdir: {_format_bytes(free)} free where {run_dir} is; this run needs "
-                             f"about {_format_bytes(needed)} ({files} more checkpoint files of "
-                             f"{_format_bytes(checkpoint_bytes)} with --keep-checkpoints {keep}, and its logs): "
-                             f"free some, lower --keep-checkpoints or choose another --logdir")
-    except UsageError:
-        if not resuming:
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if still empty: nothing written is ever removed
-        raise
-
-
-def _preserve(source: Path, destination: Path) -> None:
-    """Keep `source`'s current content at `destination`: a hard link where the
-    file system allows (files here are replaced by rename, never rewritten in
-    place, so the link keeps the old content), else a copy."""
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
-
-
 def _format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
-
-
-def _rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
-    """Replace a CSV file by these rows under these columns (a new file
-    renamed over it: later appends never reach a copy kept by a link)."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(temporary, path)
-
-
-def _append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
-    """Append rows to a CSV file, with the header when the file is new; a
-    missing value is an empty cell. A file written with other columns (an
-    older version's metrics.csv, being resumed) is first rewritten with these,
-    its rows kept, so every row matches the header."""
-    new_file = not path.is_file()
-    if not new_file:
-        with open(path, newline="") as handle:  # the header only, unless it differs (io.csv grows long)
-            header = next(csv.reader(handle), None)
-            old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
-        if old_rows is not None:
-            _rewrite_rows(path, columns, old_rows)
-    with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        if new_file:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
-def _format_bytes(count: Optional[int]) -> str:
-    if not count:
-        return "0 B"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
 
 
 class ProgressMeter:
@@ -554,7 +175,10 @@ class _SilentProgress:
 
 
 class RunLog:
-    """Console, metrics.csv and TensorBoard sinks of one run."""
+    """Console, metrics.csv and TensorBoard sinks of one run. One class of
+    ~160 lines because its methods are the events of a run (start, epoch end,
+    unreadable images, evaluation, finish), each written to every sink by the
+    primary alone: splitting it by sink would repeat that rule in each."""
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -563,7 +187,6 @@ class RunLog:
         self._writer = None  # TensorBoard SummaryWriter, opened by start_run: x-axis epochs
         self._step_writer = None  # and one in steps/ for the per-interval curves: x-axis steps
         self._skips_explained = False
-        self._io_sampler: Optional[IOSampler] = None  # on local rank 0 of each node, from start_run
         self._per_replica = "per GPU" if ctx.device_kind == "gpu" else "per process"
 
     def info(self, message: str) -> None:
@@ -587,25 +210,13 @@ class RunLog:
         return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._per_replica,
                              self._step_writer if split == "train" else None, first_step)
 
-    def start_run(self, cfg: Config, start: ResumePoint, resolved: dict) -> Optional[Path]:
-        """Create (or, on --resume, reopen) the run directory and record the
-        run's configuration. Returns the directory (None off the primary).
-        Every process calls it: the primary's failure (say, --run-name taken)
-        is raised on all of them, so none is left waiting for the others."""
-        failure = None
-        if self.is_primary:
-            try:
-                run_dir, resuming = _run_directory(cfg, self.ctx)
-                _check_room(run_dir, resuming, cfg.keep_checkpoints, resolved.get("checkpoint_bytes"))
-            except UsageError as error:
-                failure = str(error)
-        failure = broadcast_from_primary(failure, self.ctx)
-        if failure is not None:
-            raise UsageError(failure)
-        self._start_io_sampler(cfg)
-        if not self.is_primary:
-            return None
-        self.run_dir = run_dir
+    def start_run(self, cfg: Config, start: ResumePoint, resolved: dict, run_dir: Optional[RunDirectory]) -> None:
+        """Record the run's configuration in its directory (config.json, or a
+        line of resumes.jsonl when it continues one) and open the TensorBoard
+        writers there. `run_dir`: the primary's (common.rundir), None elsewhere."""
+        if not self.is_primary or run_dir is None:
+            return
+        self.run_dir = run_dir.path
         record = {
             "command": shlex.join([sys.executable] + sys.argv),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -616,89 +227,34 @@ class RunLog:
             "resolved": resolved,
             "environment": environment(self.ctx),
         }
-        if resuming:
-            with open(run_dir / "resumes.jsonl", "a") as handle:
+        if run_dir.resuming:
+            with open(self.run_dir / "resumes.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
-            self._set_aside_later_epochs(start)
         else:
-            with open(run_dir / "config.json", "w") as handle:
+            with open(self.run_dir / "config.json", "w") as handle:
                 json.dump(record, handle, indent=2)
                 handle.write("\n")
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
 
         # purge_step hides events of epochs (and steps) that are now being redone; TensorBoard steps are
         # 1-based epochs here, and steps completed in steps/ (its own event file, as purging is per file).
-        self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=start.start_epoch + 1 if resuming else None)
+        resuming = run_dir.resuming
+        self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=start.start_epoch + 1 if resuming else None)
         steps_per_epoch = resolved.get("steps_per_epoch", 0)
         first_step = start.start_epoch * steps_per_epoch + start.step + 1
-        self._step_writer = SummaryWriter(log_dir=str(run_dir / "steps"), purge_step=first_step if resuming else None)
-        return run_dir
+        self._step_writer = SummaryWriter(log_dir=str(self.run_dir / "steps"),
+                                          purge_step=first_step if resuming else None)
 
-    def _start_io_sampler(self, cfg: Config) -> None:
-        """One process per node samples (local rank 0): the dataset's
-        device, or for --synthetic runs the log directory's."""
-        if cfg.io_interval <= 0 or self.ctx.local_rank != 0:
-            return
-        # The device of train/ (where almost all reads go; it may be a link to another disk than DATA's).
-        path = cfg.logdir if cfg.synthetic else os.path.join(cfg.data, "train")
-        self._io_sampler = IOSampler(path, cfg.io_interval).start()
-        if self._io_sampler.device is None:
-            print(f"note: I/O sampling on {self._io_sampler.host}: {self._io_sampler.missing_reason}; io.csv "
-                  f"marks its samples missing (the bytes the input pipeline read are in metrics.csv, "
-                  f"dataset_bytes)", flush=True)
-
-    def _write_io_samples(self) -> None:
-        """Bring every node's I/O samples to the primary (a collective) and append them to io.csv."""
-        rows = self._io_sampler.take_rows() if self._io_sampler is not None else []
-        gathered = [row for rank_rows in gather_to_primary(rows, self.ctx) for row in rank_rows]
-        if not self.is_primary or self.run_dir is None or not gathered:
-            return
-        _append_rows(self.run_dir / "io.csv", IO_COLUMNS, gathered)
-
-    def _set_aside_later_epochs(self, start: ResumePoint) -> None:
-        """Resuming from an earlier position than the run directory reached
-        (say, from model_best.pth.tar, or from the previous checkpoint when the
-        newest is damaged): what comes after it runs again. Its metrics rows
-        and the newer checkpoints are kept in before-resume-<time>/ first
-        (the newer checkpoint files are moved there, so that checkpoint
-        rotation, which keeps the newest, cannot prefer them to this run's),
-        then metrics.csv keeps the earlier rows."""
-        path = self.run_dir / "metrics.csv"
-        rows = []
-        if path.is_file():
-            with open(path, newline="") as handle:
-                rows = list(csv.DictReader(handle))
-        kept = [row for row in rows if int(row["epoch"]) < start.start_epoch]
-        later_checkpoints = [checkpoint for checkpoint in kept_checkpoints(self.run_dir)
-                             if position_of(checkpoint) > (start.start_epoch, start.images_done)]
-        if len(kept) == len(rows) and not later_checkpoints:
-            return
-        stamp = f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        backup, attempt = self.run_dir / stamp, 1
-        while backup.exists():  # two resumes within a second keep both backups
-            attempt += 1
-            backup = self.run_dir / f"{stamp}-{attempt}"
-        backup.mkdir()
-        for name in ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
-                     "confusion_matrix.npy", "confusion_matrix_best.npy"):
-            if (self.run_dir / name).is_file():
-                _preserve(self.run_dir / name, backup / name)
-        newest = self.run_dir / CHECKPOINT_NAME
-        if later_checkpoints and newest.is_file() and not (start.path and os.path.samefile(newest, start.path)):
-            newest.unlink()  # a later state (kept in the backup): the next save makes it anew
-        for checkpoint in later_checkpoints:
-            os.replace(checkpoint, backup / checkpoint.name)
-        if len(kept) != len(rows):
-            _rewrite_rows(path, METRICS_COLUMNS, kept)  # the preserved copy keeps the later rows
-        self.info(f"resuming at epoch {start.start_epoch} step {start.step}, before {len(rows) - len(kept)} later "
-                  f"metrics rows and {len(later_checkpoints)} later checkpoints of {self.run_dir.name}: they are "
-                  f"kept in {backup}")
+    def io_samples(self, rows: List[dict]) -> None:
+        """Append every node's I/O samples (common.measure.gather_io_rows) to io.csv."""
+        if self.is_primary and self.run_dir is not None and rows:
+            append_rows(self.run_dir / "io.csv", IO_COLUMNS, rows)
 
     def log_metrics(self, metrics: EpochMetrics) -> None:
         """Append one row to metrics.csv and the split's TensorBoard scalars."""
         if not self.is_primary or self.run_dir is None:
             return
-        _append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
+        append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
         for tag, field in _SCALARS[metrics.split].items():
             value = getattr(metrics, field)
             if value is not None:
@@ -707,10 +263,8 @@ class RunLog:
 
     def epoch_end(self, train: EpochMetrics, val: EpochMetrics, report: ClassReport, classes: List[str],
                   best_acc1: float, best_epoch: Optional[int]) -> None:
-        """Every process calls it (the I/O samples are gathered); the primary
-        writes the metrics, the per-class report (val_report.csv; also
-        val_report_best.csv when this epoch is the best) and the I/O samples."""
-        self._write_io_samples()
+        """The epoch's metrics rows, its per-class report (val_report.csv; also
+        val_report_best.csv when this epoch is the best) and its two lines."""
         self.log_metrics(train)
         self.log_metrics(val)
         if self.is_primary and self.run_dir is not None:
@@ -723,7 +277,7 @@ class RunLog:
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
                   f"({train.images_per_second_per_gpu:.1f} {self._per_replica}), {train.seconds_per_step:.3f} s/step, "
-                  f"data wait {100 * train.data_wait_fraction:.0f}%{warmup}; read {_format_bytes(train.dataset_bytes)}, "
+                  f"data wait {100 * train.data_wait_fraction:.0f}%{warmup}; read {format_bytes(train.dataset_bytes)}, "
                   f"peak mem {train.peak_memory_mib:.0f} MiB, lr {train.lr:.5f}"
                   + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
                      if train.loss_scale is not None else ""))
@@ -745,7 +299,7 @@ class RunLog:
             if path.is_file():
                 with open(path, newline="") as handle:
                     listed = {row["path"] for row in csv.DictReader(handle)}
-            _append_rows(path, BAD_IMAGE_COLUMNS, [
+            append_rows(path, BAD_IMAGE_COLUMNS, [
                 {"path": file, "split": split, "first_epoch": epoch, "reason": reason}
                 for file, reason in reasons.items() if file not in listed])
             where = f"e.g. {files[0]}; all listed in {path}" if files else f"listed in {path}"
@@ -769,11 +323,7 @@ class RunLog:
 
     def finish(self, result, stopped: bool = False) -> None:
         """The closing lines: how long, how good, and where everything is.
-        Every process calls it (the last I/O samples are gathered). `stopped`:
-        the run stops before its last epoch (a signal), to be continued."""
-        if self._io_sampler is not None:
-            self._io_sampler.stop()
-        self._write_io_samples()
+        `stopped`: the run stops before its last epoch (a signal), to be continued."""
         for writer in (self._writer, self._step_writer):
             if writer is not None:
                 writer.close()

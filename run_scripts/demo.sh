@@ -13,7 +13,7 @@ DATA=${DATA:-data/digits}
 LOGDIR=${LOGDIR:-runs}
 SCRIPT=${SCRIPT:-imagenet_nd.py}  # any of the four scripts; extra arguments go to it
 
-"$PYTHON" -m common.demo_data digits "$DATA"
+"$PYTHON" -m common.tools.demo_data digits "$DATA"
 
 # The digits are 64x64: train on 48-pixel crops covering at least half the image (the ImageNet
 # recipe's 8% crops would often cut a digit down to a blob) and never mirror them (a mirrored

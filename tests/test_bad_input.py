@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from common.cli import UsageError, parse
+from common.cli import parse
+from common.errors import UsageError
 from conftest import FAST_ARGS, RunsCode, make_image_folder, run_script
 
 

@@ -1,4 +1,4 @@
-"""The benchmark harness (python -m common.bench): one JSON line per
+"""The benchmark harness (python -m common.tools.bench): one JSON line per
 configuration with the documented fields, the same rows in the CSV, and the
 ratios computed from them."""
 import csv
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common import bench
+from common.tools import bench
 from conftest import make_image_folder, run_command
 
 import sys
@@ -91,7 +91,7 @@ def test_input_rounds_alternate_the_configurations_and_keep_each_ones_best(tmp_p
 def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     csv_path = tmp_path / "bench.csv"
-    completed = run_command([sys.executable, "-m", "common.bench", "--sections", "input", "--data", root,
+    completed = run_command([sys.executable, "-m", "common.tools.bench", "--sections", "input", "--data", root,
                              "--workers", "0", "1", "-b", "4", "--input-batches", "2", "--input-rounds", "1",
                              "--image-size", "32",
                              "--csv", csv_path])
@@ -101,7 +101,7 @@ def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_pat
         (backend, workers) for backend in ("reference", "pil", "torchvision") for workers in (0, 1)]
     check_rows(rows, csv_path)
     assert all(row["images_per_second_per_worker"] == row["images_per_second"] for row in rows if row["workers"] == 1)
-    again = run_command([sys.executable, "-m", "common.bench", "--sections", "input", "--data", root, "--csv",
+    again = run_command([sys.executable, "-m", "common.tools.bench", "--sections", "input", "--data", root, "--csv",
                          csv_path])
     assert again.returncode == 2 and "exists" in again.stderr  # a result is never overwritten
 
@@ -109,7 +109,7 @@ def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_pat
 @pytest.mark.slow
 def test_train_section_runs_each_script_and_the_reference_loop(tmp_path):
     csv_path = tmp_path / "bench.csv"
-    completed = run_command([sys.executable, "-m", "common.bench", "--sections", "train", "-b", "4",
+    completed = run_command([sys.executable, "-m", "common.tools.bench", "--sections", "train", "-b", "4",
                              "--image-size", "32", "--steps", "2", "--warmup-steps", "1", "--csv", csv_path],
                             timeout=900)
     assert completed.returncode == 0, completed.stderr[-3000:]

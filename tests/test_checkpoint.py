@@ -5,8 +5,9 @@ import pytest
 import torch
 import torchvision
 
-from common import checkpoint
-from common.cli import UsageError, parse
+from common import checkpoint, rundir
+from common.cli import parse
+from common.errors import UsageError
 from common.distributed import single_process
 from conftest import RunsCode
 
@@ -23,13 +24,13 @@ def test_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
 def test_save_is_atomic_and_keeps_the_best(tmp_path):
     checkpoint.save({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, tmp_path, is_best=True)
     checkpoint.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 2}, tmp_path, is_best=False)
-    assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 2
-    assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1
+    assert checkpoint.load(str(tmp_path / rundir.CHECKPOINT_NAME))["epoch"] == 2
+    assert checkpoint.load(str(tmp_path / rundir.BEST_NAME))["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint-epoch001-images00000000.pth.tar", "checkpoint-epoch002-images00000000.pth.tar",
-        checkpoint.CHECKPOINT_NAME, checkpoint.BEST_NAME]
+        rundir.CHECKPOINT_NAME, rundir.BEST_NAME]
     # The newest is the same file as checkpoint.pth.tar, not a second copy.
-    assert os.path.samefile(tmp_path / checkpoint.CHECKPOINT_NAME,
+    assert os.path.samefile(tmp_path / rundir.CHECKPOINT_NAME,
                             tmp_path / "checkpoint-epoch002-images00000000.pth.tar")
 
 
@@ -41,11 +42,11 @@ def test_rotation_keeps_the_newest_k_by_position_and_the_best(tmp_path):
         path = checkpoint.save({"state_dict": {}, "epoch": epoch, "step": step, "images_done": images}, tmp_path,
                                is_best=(epoch, images) == (1, 0), keep=2)
         assert path.is_file()  # the file just written is never the one rotated out
-    assert [path.name for path in checkpoint.kept_checkpoints(tmp_path)] == [
+    assert [path.name for path in rundir.kept_checkpoints(tmp_path)] == [
         "checkpoint-epoch002-images00000000.pth.tar", "checkpoint-epoch001-images00000768.pth.tar"]
-    assert checkpoint.load(str(tmp_path / checkpoint.BEST_NAME))["epoch"] == 1  # its own file outlives rotation
-    assert checkpoint.position_of(tmp_path / "checkpoint-epoch001-images00000768.pth.tar") == (1, 768)
-    assert checkpoint.position_of(tmp_path / checkpoint.CHECKPOINT_NAME) is None
+    assert checkpoint.load(str(tmp_path / rundir.BEST_NAME))["epoch"] == 1  # its own file outlives rotation
+    assert rundir.position_of(tmp_path / "checkpoint-epoch001-images00000768.pth.tar") == (1, 768)
+    assert rundir.position_of(tmp_path / rundir.CHECKPOINT_NAME) is None
 
 
 def _truncate(path):
@@ -58,13 +59,13 @@ def test_newest_readable_falls_back_past_a_truncated_newest_with_a_warning(tmp_p
     for images in (8, 16, 24):
         checkpoint.save({"state_dict": {"w": torch.full((3,), float(images))}, "epoch": 0, "images_done": images},
                         tmp_path, is_best=False)
-    _truncate(tmp_path / checkpoint.CHECKPOINT_NAME)  # the same file as the newest kept one
+    _truncate(tmp_path / rundir.CHECKPOINT_NAME)  # the same file as the newest kept one
     path, warnings = checkpoint.newest_readable(tmp_path)
     assert path == tmp_path / "checkpoint-epoch000-images00000016.pth.tar"
     assert len(warnings) == 1 and warnings[0].startswith(
-        f"{tmp_path / 'checkpoint-epoch000-images00000024.pth.tar'} ({tmp_path / checkpoint.CHECKPOINT_NAME}) "
+        f"{tmp_path / 'checkpoint-epoch000-images00000024.pth.tar'} ({tmp_path / rundir.CHECKPOINT_NAME}) "
         f"is not a readable checkpoint (")
-    for kept in checkpoint.kept_checkpoints(tmp_path):
+    for kept in rundir.kept_checkpoints(tmp_path):
         _truncate(kept)
     path, warnings = checkpoint.newest_readable(tmp_path)
     assert path is None and len(warnings) == 3  # each file read once
@@ -74,8 +75,8 @@ def test_newest_readable_falls_back_past_a_truncated_newest_with_a_warning(tmp_p
 
 def test_a_checkpoint_pth_tar_of_its_own_is_the_last_resort(tmp_path):
     # A run directory of an older version: checkpoint.pth.tar only, no kept files.
-    torch.save({"state_dict": {}, "epoch": 3}, tmp_path / checkpoint.CHECKPOINT_NAME)
-    assert checkpoint.newest_readable(tmp_path) == (tmp_path / checkpoint.CHECKPOINT_NAME, [])
+    torch.save({"state_dict": {}, "epoch": 3}, tmp_path / rundir.CHECKPOINT_NAME)
+    assert checkpoint.newest_readable(tmp_path) == (tmp_path / rundir.CHECKPOINT_NAME, [])
 
 
 @pytest.mark.parametrize("run_name, environ, expected", [
@@ -86,13 +87,13 @@ def test_a_checkpoint_pth_tar_of_its_own_is_the_last_resort(tmp_path):
 ])
 def test_auto_run_name_stays_the_same_across_restarts(run_name, environ, expected):
     cfg = parse("nd", ["--synthetic", "--resume", "auto"] + (["--run-name", run_name] if run_name else []))
-    assert checkpoint.auto_run_name(cfg, environ) == expected
+    assert rundir.auto_run_name(cfg, environ) == expected
 
 
 def test_auto_without_a_stable_name_asks_for_run_name():
     cfg = parse("nd", ["--synthetic", "--resume", "auto"])
     with pytest.raises(UsageError, match="auto needs a run directory .* pass --run-name NAME"):
-        checkpoint.auto_run_name(cfg, {"TORCHELASTIC_RUN_ID": "none"})
+        rundir.auto_run_name(cfg, {"TORCHELASTIC_RUN_ID": "none"})
 
 
 def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
@@ -104,9 +105,9 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
 
     with pytest.raises(RuntimeError):
         checkpoint.save({"state_dict": {}, "epoch": 2, "bad": Unpicklable()}, tmp_path, is_best=False)
-    assert checkpoint.load(str(tmp_path / checkpoint.CHECKPOINT_NAME))["epoch"] == 1
+    assert checkpoint.load(str(tmp_path / rundir.CHECKPOINT_NAME))["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-epoch001-images00000000.pth.tar",
-                                                          checkpoint.CHECKPOINT_NAME]
+                                                          rundir.CHECKPOINT_NAME]
 
 
 def test_pytorch_examples_style_checkpoint_loads(tmp_path):

@@ -11,10 +11,11 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 
 from common import data
-from common.cli import UsageError, parse
+from common.cli import parse
+from common.errors import UsageError
 from common.data import ShardSampler, build_loaders, scan_split
 from common.pipelines import BadImageError, read_rgb
-from common.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
+from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
 from conftest import FAST_ARGS, make_image_folder
 

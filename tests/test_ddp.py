@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from common import engine, models, pipelines
-from common.checkpoint import CHECKPOINT_NAME
-from common.distributed import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from common.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from common.rundir import CHECKPOINT_NAME
 from conftest import REPO, free_port, make_image_folder, run_script, running
 
 # SqueezeNet 1.1 without dropout: small (1.2M parameters), BatchNorm-free and random-free in training,

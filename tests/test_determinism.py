@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from common.checkpoint import CHECKPOINT_NAME
+from common.rundir import CHECKPOINT_NAME
 from common.meters import EpochMetrics
 from common.models import build_model
 from conftest import REPO, make_image_folder, run_script

@@ -1,12 +1,12 @@
-"""Rank and world discovery (common.distributed.discover) for every launcher,
+"""Rank and world discovery (common.launch.discover) for every launcher,
 from faked environments: pure functions, no processes."""
 import dataclasses
 
 import pytest
 
 from common import cli
-from common.cli import UsageError
-from common.distributed import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
+from common.errors import UsageError
+from common.launch import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
 
 
 def ddp_config(*flags):
@@ -168,25 +168,26 @@ class _EndedWorker:
 
 @pytest.mark.parametrize("code, status", [(2, 2), (1, 1), (-9, 1)])
 def test_a_failed_worker_reaped_between_two_reads_still_fails_the_job(code, status, capsys):
-    from common import distributed
+    from common import launch
 
     with pytest.raises(SystemExit) as stopped:
-        distributed._watch([_EndedWorker("rank1", code)])
+        launch._watch([_EndedWorker("rank1", code)])
     assert stopped.value.code == status
     if code != 2:  # status 2: the worker printed its own error line
         assert "error: worker rank1" in capsys.readouterr().err
 
 
 def test_of_workers_ending_together_the_one_killed_by_a_signal_is_named(capsys):
-    from common import distributed
+    from common import launch
 
     with pytest.raises(SystemExit):
-        distributed._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
+        launch._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
     assert "worker rank1 was killed by SIGKILL" in capsys.readouterr().err
 
 
 def test_the_worker_named_for_a_failure_is_the_cause_not_a_peer_that_lost_it():
-    from common.distributed import PEER_LOST_EXIT_STATUS, _first_cause
+    from common.errors import PEER_LOST_EXIT_STATUS
+    from common.launch import _first_cause
 
     lost, usage, killed = "rank0 lost rank1", "rank1 met a bad image", "rank2 killed"
     assert _first_cause([(lost, PEER_LOST_EXIT_STATUS), (usage, 2)]) == usage

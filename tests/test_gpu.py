@@ -93,7 +93,7 @@ def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path,
     import torch
 
     from common import data, pipelines
-    from common.demo_data import write_fake_imagenet
+    from common.tools.demo_data import write_fake_imagenet
 
     root = tmp_path / "fake"
     write_fake_imagenet(root, classes=2, train_per_class=6, val_per_class=1)
@@ -126,7 +126,7 @@ def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path,
 
 @pytest.mark.gpu
 def test_the_gpu_data_backend_trains_and_validates_a_jpeg_tree(tmp_path):
-    from common.demo_data import write_fake_imagenet
+    from common.tools.demo_data import write_fake_imagenet
 
     root = tmp_path / "fake"
     write_fake_imagenet(root, classes=2, train_per_class=16, val_per_class=4)

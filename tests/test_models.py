@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from common.cli import UsageError, build_parser
+from common.cli import build_parser
+from common.errors import UsageError
 from common.models import _replace_last_linear, available_architectures, build_model, unwrap
 
 

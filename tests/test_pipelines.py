@@ -16,7 +16,7 @@ from PIL import Image
 from torchvision import transforms
 
 from common import cli, data, engine, models, pipelines, precision
-from common.demo_data import write_fake_imagenet
+from common.tools.demo_data import write_fake_imagenet
 from common.distributed import single_process
 from common.pipelines import BadImageError, DeviceInput, EncodedImages, PILImages, TensorImages
 from conftest import make_image_folder, run_script

@@ -1,4 +1,4 @@
-"""common.plots: the derived numbers on upstream's real logs (the acceptance
+"""common.tools.plots: the derived numbers on upstream's real logs (the acceptance
 figures) and on run directories with hand-computed values; the figures'
 files and axis labels; the notebook that draws the same figures."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common import plots
+from common.tools import plots
 from conftest import REPO
 
 UPSTREAM = REPO / "results" / "upstream"
@@ -93,7 +93,7 @@ def make_runs(root: Path) -> dict:
 
 def test_upstream_acceptance_numbers():
     """Upstream's published throughput, training time and scaling efficiency
-    follow from its CSV logs with the one definition in common.plots."""
+    follow from its CSV logs with the one definition in common.tools.plots."""
     runs = plots.load([UPSTREAM]).runs
     summary = plots.summarize(runs).set_index("gpus")
     assert sorted(summary.index) == [2, 4, 8, 16, 32, 64] and set(summary["runs"]) == {1}
@@ -228,10 +228,10 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
     for argv, message in (([str(tmp_path / "missing")], "missing: no such file or directory"),
                           ([str(tmp_path)], "no run directories, TensorBoard logs or storage-monitor CSVs"),
                           ([str(UPSTREAM), "--smooth", "1.5"], "argument --smooth")):
-        done = subprocess.run([sys.executable, "-m", "common.plots", *argv, "--out", str(tmp_path / "f")],
+        done = subprocess.run([sys.executable, "-m", "common.tools.plots", *argv, "--out", str(tmp_path / "f")],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr
-        assert done.stderr.startswith("python -m common.plots: error: ")
+        assert done.stderr.startswith("python -m common.tools.plots: error: ")
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 

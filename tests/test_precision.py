@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from common import cli
-from common.cli import UsageError
-from common.distributed import free_local_port
+from common.errors import UsageError
+from common.launch import free_local_port
 from common.engine import sgd_implementation
 from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
 from conftest import REPO, run_command, run_script

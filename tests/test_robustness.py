@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from common import data, pipelines
-from common.checkpoint import CHECKPOINT_NAME, kept_checkpoints, load
+from common.checkpoint import load
+from common.rundir import CHECKPOINT_NAME, kept_checkpoints
 from conftest import FAST_ARGS, REPO, run_script
 
 IS_ROOT = os.geteuid() == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from common.distributed import first_slurm_host, slurm_port
+from common.launch import first_slurm_host, slurm_port
 from conftest import REPO, free_port, make_image_folder
 
 RUN_SCRIPTS = REPO / "run_scripts"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from common import distributed, engine, precision, schedules, telemetry
+from common import distributed, engine, measure, precision, rundir, schedules, telemetry
 from common.data import Sample
 from common.meters import ClassReport, MetricSums
 from conftest import REPO, make_image_folder, run_script
@@ -123,7 +123,7 @@ def test_warm_up_steps_are_left_out_of_the_rates_and_said_so(capsys):
 
 @pytest.mark.parametrize("steps, asked, excluded", [(21, 10, 10), (20, 10, 0), (5, 0, 0), (3, 1, 1)])
 def test_a_split_of_at_most_twice_the_warm_up_is_timed_whole(steps, asked, excluded):
-    assert telemetry.StepTimer(steps, asked, [torch.device("cpu")]).warmup_steps == excluded
+    assert measure.StepTimer(steps, asked, [torch.device("cpu")]).warmup_steps == excluded
 
 
 # --- the bytes the input pipeline read, exactly, summed over processes ---
@@ -132,13 +132,13 @@ def test_a_part_that_ends_within_its_warm_up_leaves_out_only_the_steps_it_ran():
     # A mid-epoch checkpoint after 3 steps of a 30-step split with a 10-step warm-up: joined with the
     # part after the resume (its own 10 warm-up steps of 27), 13 steps are untimed, not 20.
     ctx = distributed.single_process("cpu")
-    first = telemetry.StepTimer(30, 10, [torch.device("cpu")])
+    first = measure.StepTimer(30, 10, [torch.device("cpu")])
     for _ in range(3):
         first.batch_ready()
         first.step_done()
     part = first.finish(ctx)
     assert (part.steps, part.warmup_steps, part.timed_seconds) == (3, 3, 0.0)
-    rest = telemetry.StepTimer(27, 10, [torch.device("cpu")])
+    rest = measure.StepTimer(27, 10, [torch.device("cpu")])
     for _ in range(27):
         rest.batch_ready()
         rest.step_done()
@@ -177,7 +177,7 @@ def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
     with open(run_dir / "io.csv", newline="") as handle:
         samples = list(csv.DictReader(handle))
     assert samples and len({row["host"] for row in samples}) == 1
-    assert [list(samples[0])] == [telemetry.IO_COLUMNS]
+    assert [list(samples[0])] == [measure.IO_COLUMNS]
 
 
 # --- block-device sampling ---
@@ -193,7 +193,7 @@ def test_io_sampler_rates_are_exact_for_known_counters(tmp_path):
     diskstats = tmp_path / "diskstats"
     diskstats.write_text(diskstats_line("loop0", 7, 0, 5, 5, 5, 5) + diskstats_line("sdz", major, minor, 100, 800, 10, 16))
     clock = iter([1000.0, 1010.0])
-    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats),
+    sampler = measure.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats),
                                   clock=lambda: next(clock))
     assert sampler.device == "sdz"
     # 10 s later: 50 more reads of 2048 sectors (1 MiB each), 5 more writes of 8 sectors (4 KiB each).
@@ -210,7 +210,7 @@ def test_io_sampler_rates_are_exact_for_known_counters(tmp_path):
 def test_io_sampler_reports_missing_counters_as_missing_not_zero(tmp_path):
     diskstats = tmp_path / "diskstats"
     diskstats.write_text(diskstats_line("loop0", 7, 0, 5, 5, 5, 5))  # not the data's device
-    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats))
+    sampler = measure.IOSampler(str(tmp_path), interval_seconds=60, diskstats=str(diskstats))
     sampler.sample()
     (row,) = sampler.take_rows()
     assert sampler.device is None and row["device"].startswith("none: ") and "file system" in row["device"]
@@ -218,7 +218,7 @@ def test_io_sampler_reports_missing_counters_as_missing_not_zero(tmp_path):
 
 
 def test_the_io_sampler_stops_promptly(tmp_path):
-    sampler = telemetry.IOSampler(str(tmp_path), interval_seconds=3600).start()
+    sampler = measure.IOSampler(str(tmp_path), interval_seconds=3600).start()
     begun = time.perf_counter()
     sampler.stop()
     assert time.perf_counter() - begun < 2
@@ -257,7 +257,7 @@ def test_class_report_file_lists_every_class_then_the_averages(tmp_path):
 def test_io_sampler_on_a_path_this_node_cannot_see_records_missing_samples(tmp_path):
     """--synthetic samples the log directory, which on a node without a shared file system may not
     exist: the sampler must neither raise (the other processes would wait for this one) nor invent zeros."""
-    sampler = telemetry.IOSampler(str(tmp_path / "only-on-the-primary"), interval_seconds=60)
+    sampler = measure.IOSampler(str(tmp_path / "only-on-the-primary"), interval_seconds=60)
     sampler.sample()
     (row,) = sampler.take_rows()
     assert sampler.device is None and "cannot see" in row["device"] and "read_bytes_per_second" not in row
@@ -290,7 +290,7 @@ def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_pat
     """Resuming a run directory written before columns were added: every row must match the header."""
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,split,loss\n0,train,2.5\n")
-    telemetry._append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
+    rundir.append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
                                                                           "macro_f1": 40.0}])
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))

@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import imagenet_nd
-from common.checkpoint import BEST_NAME, CHECKPOINT_NAME
+from common.rundir import BEST_NAME, CHECKPOINT_NAME
 from conftest import FAST_ARGS, REPO, run_script
 
 
@@ -126,13 +126,13 @@ def test_resume_from_an_earlier_epoch_keeps_the_newer_files(tiny_data, tmp_path)
 
 
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
-    from common import telemetry
+    from common import rundir
     from common.cli import parse
     from common.distributed import single_process
 
-    monkeypatch.setattr(telemetry, "default_run_name", lambda *args: "same-second")
+    monkeypatch.setattr(rundir, "default_run_name", lambda *args: "same-second")
     cfg = parse("nd", ["--synthetic", "--logdir", str(tmp_path)])
-    first, second = (telemetry._run_directory(cfg, single_process("cpu")) for _ in range(2))
+    first, second = (rundir._choose_directory(cfg, single_process("cpu")) for _ in range(2))
     assert first == (tmp_path / "same-second", False) and second == (tmp_path / "same-second-2", False)
 
 

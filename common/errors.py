@@ -1,0 +1,107 @@
+"""Mistakes and endings: the error a user can fix, its one-line report, and
+every exit status of the entry scripts by name.
+
+The bottom of the package: it imports nothing of common/, so every module
+can raise a UsageError and every process ends with a status from here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+# Exit statuses, one meaning each. A launcher (torchrun, srun, Slurm's requeue logic) and the
+# per-node spawner read them, so they never change.
+FAILED_EXIT_STATUS = 1  # a worker process failed (a bug, a crash, a signal): its traceback says why
+USAGE_EXIT_STATUS = 2  # a mistake the user can fix (UsageError), reported in one line; argparse's status too
+NONFINITE_EXIT_STATUS = 3  # the training loss became NaN or inf (engine.LossGuard); those weights are not saved
+PEER_LOST_EXIT_STATUS = 4  # a worker lost its connection to a peer that failed first (the peer says why)
+# sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
+# writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
+STOPPED_EXIT_STATUS = 75
+INTERRUPTED_EXIT_STATUS = 130  # Ctrl-C (128 + SIGINT), as shells report it
+
+
+class UsageError(Exception):
+    """A mistake the user can fix (a flag, a path, a dataset): reported as one
+    line naming the flag or path, with exit status 2 and no traceback."""
+
+    # Under DDP every process checks the same flags and folders and meets the same error; only the
+    # primary process reports those. A rank-specific error (an unreadable image in one process's
+    # share of the data, a peer it cannot reach) is reported by the process that meets it.
+    rank_specific = False
+
+    def __init__(self, message: str = ""):
+        super().__init__(one_line(message))
+
+
+# Control characters and line separators, as Python writes them in a string literal.
+_ESCAPED_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(32), 127, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(text: str) -> str:
+    """`text` as one line, whatever a quoted path or value in it holds (a
+    newline in a file name): control characters are shown escaped."""
+    return text.translate(_ESCAPED_CONTROLS)
+
+
+def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:
+    """One line of an exception's message (the first, or `line`), at most
+    `limit` characters, for quoting inside a one-line UsageError; the
+    exception's type name when it has no message."""
+    lines = [text.strip() for text in str(error).splitlines() if text.strip()]
+    return lines[line][:limit] if lines else type(error).__name__
+
+
+def program() -> str:
+    """The running script's name, as error lines start with it: `imagenet_nd.py`,
+    or `python -m common.tools.plots` for a module run with -m."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("common."):
+        return f"python -m {spec.name}"
+    return os.path.basename(sys.argv[0])
+
+
+def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
+    """Print `error` as one `prog: error: ...` line, once per node: by this
+    process if it runs alone (rank None), if it is the first process of its
+    node (local rank 0), or if it alone meets the error (error.rank_specific).
+    The other processes of a node meet the same error and stay silent."""
+    if rank is None or local_rank == 0 or error.rank_specific:
+        where = f"rank {rank}: " if rank else ""
+        print(f"{program()}: error: {where}{error}", file=sys.stderr, flush=True)
+    else:
+        # Local rank 0 meets the same error and reports it: give it a moment before this process's
+        # exit makes a launcher stop the job.
+        time.sleep(1.0)
+
+
+def exit_status(error: BaseException, rank: Optional[int] = None, local_rank: Optional[int] = None,
+                say_interrupted: bool = True) -> int:
+    """The one mapping from an exception that ends a process to its exit
+    status, used by cli.run and by the workers a script spawns: a
+    UsageError is reported (see report) and gives USAGE_EXIT_STATUS; Ctrl-C
+    gives INTERRUPTED_EXIT_STATUS, said once by the process the user started
+    (`say_interrupted`; Ctrl-C reaches every process of the terminal).
+    Anything else is a bug, whose traceback is the report: re-raised."""
+    if isinstance(error, UsageError):
+        report(error, rank, local_rank)
+        return USAGE_EXIT_STATUS
+    if isinstance(error, KeyboardInterrupt):
+        if say_interrupted:
+            print(f"{program()}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_STATUS
+    raise error
+
+
+def run_main(main: Callable[[], object], rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
+    """Run a command's main(): a UsageError becomes one line on stderr and
+    exit status 2, Ctrl-C exit status 130, neither with a traceback
+    (exit_status). `rank`, `local_rank`: this process's, when a launcher
+    started it as one of several."""
+    try:
+        main()
+    except (UsageError, KeyboardInterrupt) as error:
+        sys.exit(exit_status(error, rank, local_rank))

@@ -1,0 +1,286 @@
+"""Measurement: step timing, memory and block-device I/O, apart from where
+the figures go (common.telemetry).
+
+Timing costs no device synchronisation per step: the host reads the clock
+when a batch arrives and when a step is queued; the device is synchronised
+only where a measurement needs it (the end of the warm-up steps, and the
+print intervals and epoch ends, which read the metrics anyway). So
+`data wait` is the time the host waited for the input pipeline: when the
+device is the bottleneck the host runs ahead and waits at those syncs
+instead, and the share is small; when the pipeline is, it is large.
+
+The figures that span processes are explicit collectives here
+(StepTimer.finish, gather_io_rows), called by the loop on every process.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from common.config import Config
+from common.distributed import Context, all_reduce_max, all_reduce_sum, gather_to_primary
+from common.meters import SplitTiming
+
+IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
+              "read_ops_per_second", "write_ops_per_second"]
+MIB = 2 ** 20
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mib(devices: List[torch.device]) -> float:
+    """On GPUs, the peak memory held by tensors since the last reset (the
+    split's start: see StepTimer), the most on any of `devices`; on the CPU,
+    the peak resident memory of this process since it started (data-loading
+    workers not included)."""
+    if devices[0].type == "cuda":
+        return max(torch.cuda.max_memory_allocated(device) for device in devices) / MIB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def host_memory_mib() -> float:
+    """This process's resident memory now (data-loading workers not
+    included), from /proc; NaN where there is none. Unlike the peak it can
+    fall, so a leak shows as growth from epoch to epoch."""
+    try:
+        with open("/proc/self/statm") as handle:
+            resident_pages = int(handle.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+class StepTimer:
+    """Wall time of one split's steps on this process. The first
+    `warmup_steps` are left out of the rates (start-up, cuDNN autotuning,
+    workers filling their queues), unless the split has at most twice as
+    many steps, when every step counts. Call batch_ready() when a batch
+    arrives and step_done() when its step is queued."""
+
+    def __init__(self, steps: int, warmup_steps: int, devices: List[torch.device]):
+        # `steps`: the primary's count, the same on every process (validation shards can differ by a
+        # batch), so all of them leave out the same warm-up and their timed images add up.
+        self.warmup_steps = warmup_steps if steps > 2 * warmup_steps else 0
+        self.device = devices[0]
+        self.devices = devices
+        if self.device.type == "cuda":
+            for device in devices:
+                torch.cuda.reset_peak_memory_stats(device)
+        self.completed = 0
+        self.data_wait_seconds = 0.0  # after the warm-up
+        self.all_data_wait_seconds = 0.0  # every step, for the print intervals
+        self.start = self.timed_start = self.step_end = time.perf_counter()
+
+    @property
+    def timing(self) -> bool:
+        """Whether the current step counts for the rates (it is past the warm-up)."""
+        return self.completed >= self.warmup_steps
+
+    def batch_ready(self) -> None:
+        wait = time.perf_counter() - self.step_end
+        self.all_data_wait_seconds += wait
+        if self.timing:
+            self.data_wait_seconds += wait
+
+    def step_done(self) -> None:
+        self.completed += 1
+        if self.completed == self.warmup_steps:
+            synchronize(self.device)  # the warm-up's queued work is not billed to the timed steps
+            self.timed_start = time.perf_counter()
+        self.step_end = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what happens meanwhile (writing a checkpoint) out of every figure."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            pause = time.perf_counter() - paused_at
+            self.start += pause
+            self.timed_start += pause
+            self.step_end += pause
+
+    def finish(self, ctx: Context, before: Optional[SplitTiming] = None) -> SplitTiming:
+        """The split's timing; call after the epoch's metrics are reduced (which
+        waits for the device and the slowest process). A collective: the peak
+        memory is the maximum over processes, the data-wait share is over all
+        of them (their waits summed over their timed wall times). `before`:
+        the same split's timing up to a mid-epoch checkpoint this run resumed
+        from, which the result includes (each part left out its own warm-up)."""
+        now = time.perf_counter()
+        timed_seconds = now - self.timed_start if self.timing else 0.0  # nothing is timed before the warm-up ends
+        memory = torch.tensor([peak_memory_mib(self.devices), host_memory_mib()], dtype=torch.float64,
+                              device=ctx.device)
+        peak, host_memory = all_reduce_max(memory, ctx).tolist()
+        # The data-wait share of all processes together: one slow input pipeline shows, not just the primary's.
+        waits = torch.tensor([self.data_wait_seconds, timed_seconds], dtype=torch.float64, device=ctx.device)
+        wait_seconds, all_timed_seconds = all_reduce_sum(waits, ctx).tolist()
+        # A part that ends within its warm-up (a mid-epoch checkpoint) left out only the steps it ran.
+        timing = SplitTiming(steps=self.completed, warmup_steps=min(self.warmup_steps, self.completed),
+                             seconds=now - self.start,
+                             timed_seconds=timed_seconds, data_wait_seconds=wait_seconds,
+                             all_timed_seconds=all_timed_seconds, peak_memory_mib=peak,
+                             host_memory_mib=host_memory)
+        return timing.plus(before) if before is not None else timing
+
+
+class DiskCounters(NamedTuple):
+    """Cumulative counters of one block device, from /proc/diskstats."""
+
+    major: int
+    minor: int
+    reads: int  # completed read operations
+    read_bytes: int
+    writes: int
+    write_bytes: int
+
+
+def read_diskstats(path: str = "/proc/diskstats") -> Dict[str, DiskCounters]:
+    """Block devices by name; diskstats counts in 512-byte sectors, whatever
+    the device's own sector size."""
+    devices = {}
+    with open(path) as handle:
+        for line in handle:
+            fields = line.split()
+            if len(fields) >= 10:
+                major, minor, name = int(fields[0]), int(fields[1]), fields[2]
+                devices[name] = DiskCounters(major, minor, int(fields[3]), 512 * int(fields[5]), int(fields[7]),
+                                             512 * int(fields[9]))
+    return devices
+
+
+def _filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the file system holding `path` (the longest mount point above it)."""
+    target, best, fstype = os.path.realpath(path), "", "unknown"
+    try:
+        with open(mountinfo) as handle:
+            for line in handle:
+                before, _, after = line.partition(" - ")
+                mount_point = before.split()[4].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) > len(best):
+                    best, fstype = mount_point, after.split()[0]
+    except (OSError, IndexError):
+        pass
+    return fstype
+
+
+def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Optional[str], str]:
+    """The diskstats name of the block device holding `path`, or None and why
+    there is none (a network or virtual file system: NFS, Lustre, GPFS,
+    overlay, tmpfs, btrfs subvolumes)."""
+    try:
+        devices = read_diskstats(diskstats)
+    except OSError as error:
+        return None, f"no block-device counters on this system ({diskstats}: {error.strerror})"
+    try:
+        st_dev = os.stat(path).st_dev
+    except OSError as error:  # say, a log directory that exists only on the primary's node
+        return None, f"cannot see {path} on this node ({error.strerror})"
+    for name, counters in devices.items():
+        if (counters.major, counters.minor) == (os.major(st_dev), os.minor(st_dev)):
+            return name, ""
+    return None, f"no block-device counters for {path} (on a {_filesystem_type(path)} file system)"
+
+
+class IOSampler:
+    """Samples the read and write rates of the block device holding the
+    dataset every `interval_seconds`, in a background thread (run on one
+    process per node). Where there are no counters, each sample says so
+    with empty values: missing, not zero. Nothing here raises."""
+
+    def __init__(self, dataset_path: str, interval_seconds: float, diskstats: str = "/proc/diskstats",
+                 clock=time.time):
+        self.interval_seconds = interval_seconds
+        self.diskstats, self.clock = diskstats, clock
+        self.host = socket.gethostname().split(".")[0]
+        self.device, self.missing_reason = block_device_of(dataset_path, diskstats)
+        self.rows: List[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="io-sampler", daemon=True)
+        self._last = self._read()
+
+    def _read(self) -> Tuple[float, Optional[DiskCounters]]:
+        """Now and the device's counters (None where there are none). Never
+        raises: the sampler must not stop training, nor leave other
+        processes waiting in a collective for this one."""
+        try:
+            counters = read_diskstats(self.diskstats).get(self.device) if self.device else None
+        except (OSError, ValueError):
+            counters = None
+        return self.clock(), counters
+
+    def sample(self) -> None:
+        """Record the rates since the previous sample."""
+        (then, before), (now, after) = self._last, self._read()
+        self._last = (now, after)
+        row = {"wall_time": round(now, 3), "host": self.host, "device": self.device or f"none: {self.missing_reason}"}
+        if before is not None and after is not None and now > then:
+            seconds = now - then
+            row.update(read_bytes_per_second=(after.read_bytes - before.read_bytes) / seconds,
+                       write_bytes_per_second=(after.write_bytes - before.write_bytes) / seconds,
+                       read_ops_per_second=(after.reads - before.reads) / seconds,
+                       write_ops_per_second=(after.writes - before.writes) / seconds)
+        with self._lock:
+            self.rows.append(row)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            self.sample()
+
+    def start(self) -> "IOSampler":
+        self._thread.start()
+        return self
+
+    def take_rows(self) -> List[dict]:
+        with self._lock:
+            rows, self.rows = self.rows, []
+        return rows
+
+    def stop(self) -> None:
+        """Stop sampling; the time since the last sample becomes a last row if it is a second or more."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.clock() - self._last[0] >= 1.0:
+            self.sample()
+
+
+def start_io_sampler(cfg: Config, ctx: Context) -> Optional[IOSampler]:
+    """--io-interval: one process per node samples (local rank 0) the
+    dataset's device, or for --synthetic runs the log directory's; None on
+    the others, or when sampling is off."""
+    if cfg.io_interval <= 0 or ctx.local_rank != 0:
+        return None
+    # The device of train/ (where almost all reads go; it may be a link to another disk than DATA's).
+    path = cfg.logdir if cfg.synthetic else os.path.join(cfg.data, "train")
+    sampler = IOSampler(path, cfg.io_interval).start()
+    if sampler.device is None:
+        print(f"note: I/O sampling on {sampler.host}: {sampler.missing_reason}; io.csv marks its samples missing "
+              f"(the bytes the input pipeline read are in metrics.csv, dataset_bytes)", flush=True)
+    return sampler
+
+
+def gather_io_rows(sampler: Optional[IOSampler], ctx: Context, final: bool = False) -> List[dict]:
+    """Every node's I/O samples since the last call, on the primary (empty
+    elsewhere). A collective: every process calls it. `final`: stop
+    sampling first (the run's end)."""
+    if sampler is not None and final:
+        sampler.stop()
+    rows = sampler.take_rows() if sampler is not None else []
+    return [row for rank_rows in gather_to_primary(rows, ctx) for row in rank_rows]

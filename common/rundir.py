@@ -1,0 +1,327 @@
+"""The run directory: the one owner of where a run writes, what its files are
+called, which checkpoint files are kept, and what a resume sets aside.
+
+A run directory holds everything about one run (the table is in
+docs/outputs.md): config.json, resumes.jsonl, metrics.csv, io.csv,
+bad_images.csv, val_report*.csv, confusion_matrix*.npy, TensorBoard events
+(and steps/ for per-interval curves), the checkpoint files and
+before-resume-*/ folders. Its default name follows the upstream convention,
+so old and new runs sort together:
+<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>.
+
+Checkpoints: each is a file of its own, checkpoint-epoch<E>-images<N>.pth.tar
+(E: the epoch in progress, N: its images done, all processes together);
+checkpoint.pth.tar is always the newest (a hard link, or a copy where the
+file system has none), model_best.pth.tar the best epoch's, and only the
+newest --keep-checkpoints files are kept. Every file is written under a
+temporary name, flushed and renamed: a crash mid-write leaves the previous
+one intact. Nothing already written is overwritten or deleted silently.
+Used by common.checkpoint (saving into it) and common.telemetry (logging
+into it); the primary process alone writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime
+import itertools
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
+
+from common.config import Config
+from common.distributed import Context, broadcast_from_primary
+from common.errors import UsageError
+from common.launch import restart_name
+
+CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
+BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
+_KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
+# What a resume from an earlier position sets aside (besides the newer checkpoint files).
+_RESULT_FILES = ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
+                 "confusion_matrix.npy", "confusion_matrix_best.npy")
+MIB = 2 ** 20
+# Room for the logs besides the checkpoints: metrics, TensorBoard events, reports (a 90-epoch ImageNet run
+# writes a few MiB).
+LOG_ROOM_BYTES = 64 * MIB
+
+
+# --- checkpoint file names ---
+
+def kept_name(epoch: int, images_done: int) -> str:
+    """The file name of the checkpoint taken with `images_done` images of epoch
+    `epoch` trained on. Images, not steps: a resume with another global batch
+    numbers its steps differently, but names must keep sorting by progress."""
+    return f"checkpoint-epoch{epoch:03d}-images{images_done:08d}.pth.tar"
+
+
+def position_of(path: Path) -> Optional[Tuple[int, int]]:
+    """(epoch, images done) of a checkpoint-epoch<E>-images<N>.pth.tar file; None for other names."""
+    match = _KEPT_NAME.match(Path(path).name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def kept_checkpoints(run_dir: Path) -> List[Path]:
+    """The run directory's checkpoint-epoch*-images*.pth.tar files, newest first."""
+    found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None]
+    return sorted(found, key=position_of, reverse=True)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write to a temporary file beside `path`, flush it to disk, then rename it
+    over `path`: readers see the old file or the new one, never half of one."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def _link_atomically(source: Path, destination: Path) -> None:
+    """Make `destination` the same file as `source` (a hard link: no second
+    copy on disk; a copy where links are not supported), replacing it at once."""
+    temporary = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:
+            with open(source, "rb") as original:
+                atomic_write(temporary, lambda handle: shutil.copyfileobj(original, handle))
+        os.replace(temporary, destination)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def add_checkpoint(run_dir: Path, epoch: int, images_done: int, write: Callable[[BinaryIO], None], is_best: bool,
+                   keep: int) -> Path:
+    """Write a checkpoint file with `write`, make checkpoint.pth.tar (and,
+    when it is the best so far, model_best.pth.tar) that file, and delete all
+    but the newest `keep` checkpoint files. Returns the new file's path."""
+    run_dir = Path(run_dir)
+    path = run_dir / kept_name(epoch, images_done)
+    atomic_write(path, write)
+    _link_atomically(path, run_dir / CHECKPOINT_NAME)
+    if is_best:
+        _link_atomically(path, run_dir / BEST_NAME)
+    for old in kept_checkpoints(run_dir)[keep:]:
+        old.unlink()
+    return path
+
+
+# --- CSV files that grow by rows ---
+
+def rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
+    """Replace a CSV file by these rows under these columns (a new file
+    renamed over it: later appends never reach a copy kept by a link)."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(temporary, path)
+
+
+def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
+    """Append rows to a CSV file, with the header when the file is new; a
+    missing value is an empty cell. A file written with other columns (an
+    older version's metrics.csv, being resumed) is first rewritten with these,
+    its rows kept, so every row matches the header."""
+    new_file = not path.is_file()
+    if not new_file:
+        with open(path, newline="") as handle:  # the header only, unless it differs (io.csv grows long)
+            header = next(csv.reader(handle), None)
+            old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
+        if old_rows is not None:
+            rewrite_rows(path, columns, old_rows)
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_bytes(count: Optional[int]) -> str:
+    if not count:
+        return "0 B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+
+
+# --- which directory ---
+
+def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
+    """The run directory's name for --resume auto: one that is the same when
+    the job starts again (requeued by Slurm, restarted by torchrun)."""
+    if cfg.run_name is not None:
+        return cfg.run_name
+    name = restart_name(environ)
+    if name is None:
+        raise UsageError("argument --resume: auto needs a run directory that stays the same when the job starts "
+                         "again: pass --run-name NAME (under Slurm the job id names it)")
+    return name
+
+
+def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
+    """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
+    the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
+    data-loading workers)."""
+    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.replicas}"
+            f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
+
+
+def _make_run_directory(path: Path, flag: str) -> bool:
+    """Create `path` if no other run has: mkdir is atomic, so two runs started
+    in the same second never share a directory. Returns False when it exists."""
+    try:
+        path.mkdir(parents=True, exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise UsageError(f"argument {flag}: cannot create {path} ({error.strerror})") from None
+
+
+def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
+    """Where this run writes, and whether it continues an existing run
+    directory: --resume continues in the checkpoint's own run directory; a
+    new run always gets a directory of its own."""
+    logdir = Path(cfg.logdir)
+    if cfg.resume == "auto":  # the same directory every time the job starts (see auto_run_name)
+        run_dir = logdir / auto_run_name(cfg)
+        if (run_dir / "config.json").is_file():
+            return run_dir, True
+        _make_run_directory(run_dir, "--logdir")  # or it is there, from a start that ended before config.json
+        return run_dir, False
+    resumed = Path(cfg.resume).resolve().parent if cfg.resume else None
+    if resumed is not None and cfg.run_name is None and (resumed / "config.json").is_file():
+        return resumed, True
+    if cfg.run_name is not None:
+        run_dir = logdir / cfg.run_name
+        if resumed is not None and run_dir.is_dir() and resumed == run_dir.resolve():
+            return run_dir, True
+        if not _make_run_directory(run_dir, "--run-name"):
+            raise UsageError(f"argument --run-name: {run_dir} already exists; continue it with "
+                             f"--resume {run_dir / CHECKPOINT_NAME} or choose another name")
+        return run_dir, False
+    name = default_run_name(cfg, ctx, datetime.datetime.now(), socket.gethostname().split(".")[0])
+    for attempt in itertools.count(1):
+        run_dir = logdir / (name if attempt == 1 else f"{name}-{attempt}")
+        if _make_run_directory(run_dir, "--logdir"):
+            return run_dir, False
+
+
+def _check_room(run_dir: Path, resuming: bool, keep: int, checkpoint_bytes: Optional[int]) -> None:
+    """Before training: the run directory is writable and its file system
+    has room for the checkpoints to come, less those already there: the
+    --keep-checkpoints files, the one being written before the oldest is
+    deleted, and model_best.pth.tar, whose link keeps an otherwise deleted
+    file on disk. A run that fails at its first checkpoint hours in wastes
+    them. A new run's (still empty) directory is removed again when it fails."""
+    try:
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
+        if checkpoint_bytes is None:
+            return
+        existing = len(kept_checkpoints(run_dir)) if resuming else 0
+        files = max(1, keep + 2 - existing)
+        needed = files * checkpoint_bytes + LOG_ROOM_BYTES
+        free = shutil.disk_usage(run_dir).free
+        if free < needed:
+            raise UsageError(f"argument --logdir: {format_bytes(free)} free where {run_dir} is; this run needs "
+                             f"about {format_bytes(needed)} ({files} more checkpoint files of "
+                             f"{format_bytes(checkpoint_bytes)} with --keep-checkpoints {keep}, and its logs): "
+                             f"free some, lower --keep-checkpoints or choose another --logdir")
+    except UsageError:
+        if not resuming:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if still empty: nothing written is ever removed
+        raise
+
+
+def _preserve(source: Path, destination: Path) -> None:
+    """Keep `source`'s current content at `destination`: a hard link where the
+    file system allows (files here are replaced by rename, never rewritten in
+    place, so the link keeps the old content), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+class RunDirectory:
+    """The run directory of this run, on the primary process: its path, and
+    whether this run continues one that exists (a resume)."""
+
+    def __init__(self, path: Path, resuming: bool):
+        self.path = Path(path)
+        self.resuming = resuming
+
+    @staticmethod
+    def open(cfg: Config, ctx: Context, checkpoint_bytes: Optional[int] = None) -> Optional["RunDirectory"]:
+        """Create (or, on --resume, reopen) the run directory, after checking it
+        is writable and has room for `checkpoint_bytes`-sized checkpoints; the
+        directory on the primary, None on the others. A collective: the
+        primary's failure (say, --run-name taken) is raised on every process,
+        so none is left waiting for the others."""
+        failure = run_dir = None
+        if ctx.is_primary:
+            try:
+                path, resuming = _choose_directory(cfg, ctx)
+                _check_room(path, resuming, cfg.keep_checkpoints, checkpoint_bytes)
+                run_dir = RunDirectory(path, resuming)
+            except UsageError as error:
+                failure = str(error)
+        failure = broadcast_from_primary(failure, ctx)
+        if failure is not None:
+            raise UsageError(failure)
+        return run_dir
+
+    def set_aside_after(self, start_epoch: int, images_done: int, resumed_from: Optional[str]) -> Optional[str]:
+        """Resuming from an earlier position than the run directory reached
+        (say, from model_best.pth.tar, or from the previous checkpoint when the
+        newest is damaged): what comes after it runs again. Its metrics rows
+        and the newer checkpoints are kept in before-resume-<time>/ first
+        (the newer checkpoint files are moved there, so that rotation, which
+        keeps the newest, cannot prefer them to this run's), then metrics.csv
+        keeps the earlier rows. Returns what was done, to be said; None when
+        nothing comes after the position."""
+        path = self.path / "metrics.csv"
+        rows, columns = [], []
+        if path.is_file():
+            with open(path, newline="") as handle:
+                reader = csv.DictReader(handle)
+                rows, columns = list(reader), list(reader.fieldnames or [])
+        kept = [row for row in rows if int(row["epoch"]) < start_epoch]
+        later_checkpoints = [checkpoint for checkpoint in kept_checkpoints(self.path)
+                             if position_of(checkpoint) > (start_epoch, images_done)]
+        if len(kept) == len(rows) and not later_checkpoints:
+            return None
+        stamp = f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+        backup, attempt = self.path / stamp, 1
+        while backup.exists():  # two resumes within a second keep both backups
+            attempt += 1
+            backup = self.path / f"{stamp}-{attempt}"
+        backup.mkdir()
+        for name in _RESULT_FILES:
+            if (self.path / name).is_file():
+                _preserve(self.path / name, backup / name)
+        newest = self.path / CHECKPOINT_NAME
+        if later_checkpoints and newest.is_file() and not (resumed_from and os.path.samefile(newest, resumed_from)):
+            newest.unlink()  # a later state (kept in the backup): the next save makes it anew
+        for checkpoint in later_checkpoints:
+            os.replace(checkpoint, backup / checkpoint.name)
+        if len(kept) != len(rows):
+            rewrite_rows(path, columns, kept)  # the preserved copy keeps the later rows
+        return (f"before {len(rows) - len(kept)} later metrics rows and {len(later_checkpoints)} later checkpoints "
+                f"of {self.path.name}: they are kept in {backup}")

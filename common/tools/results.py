@@ -1,0 +1,245 @@
+"""RESULTS.md from run directories: every number read from the runs' logs.
+
+    python -m common.tools.results RUN_DIRS... [--upstream results/upstream] [--figures figures] > RESULTS.md
+
+RUN_DIRS are this project's run directories (or folders holding them). The
+output is Markdown on stdout and depends only on the inputs (no date of
+generation), so regenerating it from the same runs changes nothing. The
+derived numbers (training time, throughput, scaling efficiency, time to
+--desired-acc) come from common.tools.plots, the one place that defines them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from common.arguments import Parser
+from common.errors import UsageError, error_summary, run_main
+from common.tools import plots
+
+FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
+                "data_wait"]
+
+
+def number(value, digits: int = 2) -> str:
+    """A table cell: fixed decimals, thousands separators, a dash for missing."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def duration(seconds: float) -> str:
+    """'5 h 48 min 25 s (20,904.5 s)'."""
+    if seconds is None or math.isnan(seconds):
+        return "—"
+    whole = int(round(seconds))
+    hours, minutes, rest = whole // 3600, whole // 60 % 60, whole % 60
+    text = (f"{hours} h " if hours else "") + (f"{minutes} min " if hours or minutes else "") + f"{rest} s"
+    return f"{text} ({seconds:,.1f} s)"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = [[str(cell).replace("|", "\\|") for cell in row] for row in rows]  # a | would end the cell
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
+
+
+def per_gpu_word(run: plots.Run) -> str:
+    return "per CPU process" if run.device_kind == "cpu" else "per GPU"
+
+
+def best(run: plots.Run, column: str) -> str:
+    values = run.epochs[column].dropna()
+    return f"{values.max():.2f}% (epoch {values.idxmax()})" if len(values) else "—"
+
+
+def run_section(run: plots.Run) -> str:
+    """Everything about one run: command, options, hardware, times, accuracy, epochs."""
+    config = run.config or {}
+    options, resolved = config.get("options") or {}, config.get("resolved") or {}
+    # A dash where the log does not record a value (older run directories, TensorBoard logs).
+    env = collections.defaultdict(lambda: "—", {key: setting for key, setting in
+                                                (config.get("environment") or {}).items() if setting is not None})
+    epochs = run.epochs
+    last_epoch, last_top1, last_top5 = plots.last_validation(run)
+    images_per_second = plots.mean_images_per_second(run)
+    lines = [f"## `{run.name}`", "",
+             f"- **Command:** `{config.get('command', 'not recorded (no config.json)')}`",
+             f"- **Started:** {config.get('started', '—')} at epoch {config.get('start_epoch', '—')}"]
+    for resume in run.resumes:
+        lines.append(f"- **Resumed:** {resume.get('started')} at epoch {resume.get('start_epoch')}: "
+                     f"`{resume.get('command')}`")
+    lines += [
+        f"- **Hardware:** {plots.count_label(run.replicas, run.device_kind)}; device {env['device']}; CPU "
+        f"{env['cpu_model']} ({env['cpu_count']} cores); host {env['host']}; {env['world_size']} process(es), "
+        f"launcher {env['launcher']}",
+        f"- **Versions:** Python {env['python']}, torch {env['torch']}, torchvision {env['torchvision']}, "
+        f"CUDA {env['cuda']}, cuDNN {env['cudnn']}; {env['platform']}",
+        "- **Resolved:** " + (", ".join(f"{key.replace('_', ' ')} {setting}" for key, setting in resolved.items())
+                              or "—"),
+        f"- **Training time:** {duration(plots.training_seconds(run))} over {len(epochs)} epoch(s), " + (
+            "each epoch from its training start to its validation end" if epochs["train_start"].notna().any()
+            else "(last - first end-of-epoch wall time) + one mean epoch"),
+        "- **Last val top-1 / top-5:** " + (f"{last_top1:.2f}% / {last_top5:.2f}% (epoch {last_epoch})"
+                                              if last_epoch is not None else "—"),
+        f"- **Best val top-1:** {best(run, 'val_top1')}; **best val top-5:** {best(run, 'val_top5')}",
+        f"- **Mean training throughput:** {number(images_per_second, 1)} images/s global, "
+        f"{number(images_per_second / run.replicas, 1)} {per_gpu_word(run)} (mean over epochs)",
+    ]
+    target = options.get("desired_acc")
+    if target is not None:
+        reached = plots.time_to_accuracy(run, target)
+        lines.append(f"- **Time to --desired-acc {target:g}%:** " + (
+            f"reached at epoch {reached[0]} after {duration(reached[1])}" if reached
+            else f"not reached (best val top-1 {best(run, 'val_top1')})"))
+    if options:
+        lines += ["", "<details><summary>All options</summary>", "",
+                  table(["option", "value"], [[key, f"`{setting}`"] for key, setting in options.items()]), "", "</details>"]
+    rows = [[epoch, number(row["train_loss"], 4), number(row["train_top1"]), number(row["val_loss"], 4),
+             number(row["val_top1"]), number(row["val_top5"]), number(row["images_per_second"], 1),
+             number(100 * row["data_wait_fraction"], 1)] for epoch, row in epochs.iterrows()]
+    lines += ["", table(["epoch", "train loss", "train top-1 (%)", "val loss", "val top-1 (%)", "val top-5 (%)",
+                         "train images/s", "data wait (%)"], rows)]
+    return "\n".join(lines)
+
+
+def across_runs(runs: Sequence[plots.Run]) -> str:
+    rows = []
+    for run in runs:
+        _, top1, top5 = plots.last_validation(run)
+        images_per_second = plots.mean_images_per_second(run)
+        rows.append([f"`{run.name}`", plots.count_label(run.replicas, run.device_kind), run.series, len(run.epochs),
+                     number(plots.training_seconds(run), 1), number(images_per_second, 1),
+                     number(images_per_second / run.replicas, 1), number(top1), number(top5)])
+    return table(["run", "scale", "hardware: model, opt level", "epochs", "training time (s)", "train images/s",
+                  "per GPU (or process)", "last val top-1 (%)", "last val top-5 (%)"], rows)
+
+
+def summary_table(summary) -> str:
+    rows = [[row["series"], row["gpus"], row["runs"], row["epochs"], number(row["training_seconds"], 0),
+             number(row["images_per_second"], 0), number(row["images_per_second_per_gpu"], 0),
+             number(row["scaling_efficiency_percent"], 1), number(row["last_val_top1"]), number(row["last_val_top5"])]
+            for _, row in summary.iterrows()]
+    return table(["source / hardware", "GPUs (or processes)", "runs", "epochs", "training time (s)",
+                  "mean train images/s", "per GPU", "scaling efficiency (%)", "last val top-1 (%)",
+                  "last val top-5 (%)"], rows)
+
+
+def load_runs(path: str) -> List[plots.Run]:
+    runs = plots.load([path]).runs
+    if not runs:
+        raise UsageError(f"{path}: no runs found (run directories hold config.json and metrics.csv)")
+    return runs
+
+
+def bench_section(paths: Sequence[str]) -> str:
+    """One table per benchmark CSV (python -m common.tools.bench), with the
+    machine and versions it ran on and the ratios of its targets."""
+    import pandas
+
+    from common.tools import bench
+
+    parts = ["## Benchmarks", "",
+             "Measured by `python -m common.tools.bench` (`make bench`): every configuration in a fresh process, warm-up "
+             "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
+             "are side by side. The reference rows are the plain PyTorch loop and input pipeline "
+             "(common/tools/bench.py). No GPU figure appears unless a GPU table is below: none is estimated."]
+    for path in paths:
+        try:
+            rows = pandas.read_csv(path, keep_default_na=False).to_dict("records")
+        except (OSError, ValueError) as error:
+            raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
+        if not rows:
+            continue
+        first = rows[0]
+        parts += ["", f"### {first['device_name']}, {first['date']} (`{Path(path).as_posix()}`)", "",
+                  f"torch {first['torch']}, torchvision {first['torchvision']}"
+                  f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
+                  f"host `{first['host']}`.", "",
+                  table(["section", "configuration", "precision", "memory format", "data", "workers", "images/s",
+                         "images/s per worker", "ms/step", "peak memory (MiB)"],
+                        [[row["section"], row["config"], row["precision"] or "—", row["memory_format"] or "—",
+                          row["data_backend"], row["workers"], number(_float(row["images_per_second"]), 1),
+                          number(_float(row["images_per_second_per_worker"]), 1),
+                          number(_float(row["ms_per_step"]), 1), number(_float(row["peak_memory_mib"]), 0)]
+                         for row in rows]), ""]
+        parts += [f"- {line}" for line in bench.ratios(rows)]
+    return "\n".join(parts)
+
+
+def _float(value) -> Optional[float]:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m common.tools.results", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or folders holding them")
+    parser.add_argument("--upstream", metavar="DIR", help="reference logs to compare with (e.g. results/upstream)")
+    parser.add_argument("--notes", metavar="FILE",
+                        help="Markdown appended under 'Notes': context no log holds (how the runs were "
+                             "made, what to read from them); numbers belong in the logs, not here")
+    parser.add_argument("--bench", nargs="+", metavar="CSV", default=None,
+                        help="CSV files of python -m common.tools.bench: a benchmark section, one table per file")
+    parser.add_argument("--figures", default="figures", metavar="DIR",
+                        help="folder of the figures (python -m common.tools.plots); links to those that exist")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    runs = sorted((run for path in args.runs for run in load_runs(path)),
+                  key=lambda run: (run.series, run.replicas, run.name))
+    upstream = load_runs(args.upstream) if args.upstream else []
+    out = ["# Results", "",
+           f"Generated by `python -m common.tools.results {shlex.join(argv)}` from the runs' own logs (config.json, "
+           f"metrics.csv): every number below is read from them or derived by `common/tools/plots.py`. Regenerate, "
+           f"do not edit. Epochs count from 0. Throughput is global training images/s, averaged over epochs.",
+           "", "\n\n".join(run_section(run) for run in runs), "", "## Across runs", "", across_runs(runs)]
+    grouped = ("Grouped by hardware and GPU count: runs of the same count are averaged; scaling efficiency is "
+               "per-GPU throughput relative to the smallest count of the same hardware.")
+    if not upstream:
+        out += ["", grouped, "", summary_table(plots.summarize(runs))]
+    if upstream:
+        out += ["", "## Upstream reference numbers, regenerated from its logs", "",
+                f"**The `{upstream[0].series.split(':')[0]}` rows are not this project's:** they are another "
+                f"project's 2020 run on NVIDIA V100 GPUs, read from its logs in `{args.upstream}` (TensorBoard "
+                f"exports; see the README there). The other rows are this project's runs above, side by side. "
+                f"Hardware differs between the groups: compare within a group. Training time of TensorBoard logs is "
+                f"(last - first end-of-epoch wall time) + one mean epoch, so the first epoch counts; a figure "
+                f"quoted as last - first leaves it out. {grouped}", "",
+                summary_table(plots.summarize([*upstream, *runs]))]
+    # This project's figures, and beside them the upstream logs' (python -m common.tools.plots UPSTREAM --out FIGURES/upstream).
+    folders = {"this project": Path(args.figures), "upstream": Path(args.figures, "upstream")}
+    if not upstream:
+        del folders["upstream"]
+    cells = {(name, who): f"![{who} {name}]({(folder / (name + '.png')).as_posix()})"
+             for name in FIGURE_NAMES for who, folder in folders.items() if (folder / (name + ".png")).is_file()}
+    shown = [name for name in FIGURE_NAMES if any((name, who) in cells for who in folders)]
+    if shown:
+        out += ["", "## Figures", "", "Drawn by `python -m common.tools.plots` into " +
+                " and ".join(f"`{folder.as_posix()}/` ({who})" for who, folder in folders.items()) + ".", "",
+                table(["figure", *folders], [[name, *(cells.get((name, who), "—") for who in folders)]
+                                             for name in shown])]
+    if args.bench:
+        out += ["", bench_section(args.bench)]
+    if args.notes:
+        try:
+            out += ["", "## Notes", "", Path(args.notes).read_text().strip()]
+        except OSError as error:
+            raise UsageError(f"argument --notes: cannot read {args.notes} ({error.strerror})") from None
+    text = "\n".join(out) + "\n"
+    sys.stdout.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    run_main(main)
