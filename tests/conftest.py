@@ -64,6 +64,14 @@ def run_script(args, **kwargs) -> subprocess.CompletedProcess:
 FAST_ARGS = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1"]
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); on an AVX2-only CPU
+    it is emulated, about 16x slower than fp32 (issue 25)."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped, with the reason shown, where there is none."""
     import torch
