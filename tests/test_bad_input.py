@@ -31,6 +31,7 @@ def test_data_folder_does_not_exist(tmp_path):
     assert_usage_error(run_script(["imagenet_nd.py", tmp_path / "nowhere"]), f"DATA {tmp_path / 'nowhere'}: no such directory")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["train", "val"])
 def test_data_without_split_folder(tmp_path, missing):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
@@ -40,6 +41,7 @@ def test_data_without_split_folder(tmp_path, missing):
     assert_usage_error(run_script(["imagenet_nd.py", root]), f"no {missing}/ folder", str(root / missing))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_class_folder_without_images(tmp_path, split):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
@@ -52,11 +54,13 @@ def test_class_folder_without_images(tmp_path, split):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_unknown_arch_suggests_the_close_name(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
     assert_usage_error(run_script(["imagenet_nd.py", root, "-a", "resnet51"]), "-a/--arch", "'resnet51'", "resnet50")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value", [("-b", "0"), ("--batch-size", "-3"), ("--epochs", "0"), ("--epochs", "x")])
 def test_non_positive_batch_or_epochs(tmp_path, flag, value):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
@@ -70,6 +74,7 @@ def test_resume_missing_file(tmp_path):
     assert_usage_error(run_script(["imagenet_nd.py", root, "--resume", missing]), "--resume", str(missing))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", [b"", b"this is not a checkpoint", b"PK\x03\x04broken zip"])
 def test_resume_unreadable_file(tmp_path, content):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
@@ -81,6 +86,7 @@ def test_resume_unreadable_file(tmp_path, content):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split,workers", [("train", "0"), ("train", "2"), ("val", "2")])
 def test_corrupt_jpeg_stops_the_run_naming_the_file(tmp_path, split, workers):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
@@ -91,6 +97,7 @@ def test_corrupt_jpeg_stops_the_run_naming_the_file(tmp_path, split, workers):
     assert_usage_error(result, str(bad), "cannot decode image")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
 def test_resume_permission_denied(tmp_path):
     locked = tmp_path / "locked.pth.tar"
@@ -99,6 +106,7 @@ def test_resume_permission_denied(tmp_path):
     assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--resume", locked]), "--resume", "permission denied")
 
 
+@pytest.mark.slow
 def test_image_size_the_model_cannot_take(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-a", "alexnet", "--logdir", tmp_path / "runs"])
@@ -106,6 +114,7 @@ def test_image_size_the_model_cannot_take(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_pretrained_weights_unavailable_offline(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
     # An empty hub cache and a proxy that refuses at once: the download cannot succeed.
@@ -144,12 +153,14 @@ def test_desired_acc_accepts_fraction_or_percent(text, percent):
     assert parse("nd", ["--synthetic", "--desired-acc", text]).desired_acc == pytest.approx(percent)
 
 
+@pytest.mark.slow
 def test_cuda_requested_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     assert_usage_error(run_script(["imagenet_nd.py", "--synthetic", "--device", "cuda"]), "--device")
 
 
+@pytest.mark.slow
 def test_report_dir_never_overwrites_an_earlier_report(tmp_path):
     (tmp_path / "val_report.csv").write_text("an earlier report")
     with pytest.raises(UsageError, match=r"\-\-report\-dir: .*val_report.csv exists"):
@@ -167,6 +178,7 @@ def _hub_weights_file(torch_home, arch="resnet18"):
     return folder / os.path.basename(urlparse(url).path)
 
 
+@pytest.mark.slow
 def test_cached_pretrained_weights_that_would_run_code_are_refused_without_running_it(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
     cached = _hub_weights_file(tmp_path / "torch-home")
@@ -178,6 +190,7 @@ def test_cached_pretrained_weights_that_would_run_code_are_refused_without_runni
     assert not marker.exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_cached_plain_pretrained_weights_load(tmp_path):
     import torchvision
 
@@ -192,6 +205,7 @@ def test_cached_plain_pretrained_weights_load(tmp_path):
     assert "validation: loss" in result.stdout
 
 
+@pytest.mark.slow
 def test_one_image_per_step_that_batchnorm_cannot_take(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "-b", "1", "--logdir", tmp_path / "runs"])
@@ -200,6 +214,7 @@ def test_one_image_per_step_that_batchnorm_cannot_take(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_crafted_checkpoint_is_refused_by_resume_and_evaluate_without_running_it(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
     marker = tmp_path / "pwned"

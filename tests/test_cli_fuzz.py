@@ -341,6 +341,7 @@ def test_paths_inside_an_unreadable_folder_start_or_name_the_flag(tmp_path, flag
         locked.chmod(0o700)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,argv,flag", [
     ("imagenet_nd.py", ["--synthetic", "--lr", "nan"], "argument --lr/--learning-rate: "),
     ("imagenet_dp.py", ["--synthetic", "-b", "0"], "argument -b/--batch-size/--b: "),

@@ -250,6 +250,7 @@ def test_bad_image_error_survives_a_dataloader_worker(tmp_path):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow
 def test_digits_dataset(tmp_path):
     counts = write_digits(tmp_path / "digits")
     assert counts == {"train": 1438, "val": 359}  # 1,797 images, 20% of each class to val/
@@ -269,6 +270,7 @@ def test_digits_dataset(tmp_path):
     assert (root / "dataset.json").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_dataset_writer_never_overwrites_a_foreign_folder(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "precious.txt").write_text("keep me")

@@ -77,6 +77,7 @@ def data(tmp_path_factory):
 
 # --- DDP with 2 processes x B == one process with 2B ---
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_with_the_global_batch(data, tmp_path):
     common = [data, *MODEL, "-j", "0", "--lr", "1", "--epochs", "1", "--steps-per-epoch", "3"]
     single = run_script([REPO / "imagenet_nd.py", *common, "-b", "8", "--logdir", tmp_path / "nd"], env_extra=ENV)
@@ -164,6 +165,7 @@ def test_every_launcher_gives_the_spawned_run(name, data, tmp_path, spawned_refe
 
 # --- exact validation at any world size; checkpoints move between scripts ---
 
+@pytest.mark.slow
 def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
     data = make_image_folder(tmp_path / "data", val_per_class=3)
     for extra in sorted((data / "val").rglob("*.JPEG"))[:2]:
@@ -215,6 +217,7 @@ def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     return confusion
 
 
+@pytest.mark.slow
 def test_a_mid_epoch_checkpoint_of_two_processes_continues_in_one_with_the_same_global_batch(
         spawned_reference, data, tmp_path):
     # The spawned reference run again, now with a checkpoint every 2 steps: 3 steps per epoch of
@@ -238,6 +241,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_continues_in_one_with_the_same_
         assert float(ours["loss"]) == pytest.approx(float(theirs["loss"]), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):
     result = run_script([REPO / "imagenet_nd.py", data, *RUN, "-e", "--resume", spawned_reference / CHECKPOINT_NAME],
                         env_extra=ENV)
@@ -247,6 +251,7 @@ def test_a_ddp_checkpoint_resumes_in_imagenet_nd(spawned_reference, data):
     assert (int(correct), int(images)) == (correct_count(last_val), int(last_val["images"]))
 
 
+@pytest.mark.slow
 def test_ddp_validates_the_batchnorm_statistics_it_saves(data, tmp_path):
     # Each process updates BatchNorm running statistics from its own share of the batch; validation must
     # use rank 0's, which the checkpoint holds, or its numbers describe no saved model.
@@ -289,6 +294,7 @@ def assert_one_line_error(result, *fragments):
         assert fragment in errors[0], errors[0]
 
 
+@pytest.mark.slow
 def test_port_in_use_fails_at_once(data):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -299,6 +305,7 @@ def test_port_in_use_fails_at_once(data):
     assert_one_line_error(result, "argument --dist-url", f"port {port}", "in use")
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_arrives_ends_the_job_after_dist_timeout(data):
     began = time.monotonic()
     result = run_script([REPO / "imagenet_ddp.py", data, *RUN, "--dist-url", f"tcp://127.0.0.1:{free_port()}",
@@ -307,6 +314,7 @@ def test_a_peer_that_never_arrives_ends_the_job_after_dist_timeout(data):
     assert time.monotonic() - began < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, fragment", [
     (["--world-size", "2", "--rank", "2", "--dist-url", "tcp://127.0.0.1:29999"], "argument --rank: node rank 2"),
     (["--dist-backend", "nccl"], "argument --dist-backend: nccl needs CUDA GPUs"),
@@ -317,6 +325,7 @@ def test_wrong_flags_fail_before_any_process_waits(data, flags, fragment):
     assert_one_line_error(run_script([REPO / "imagenet_ddp.py", data, *RUN, *flags]), fragment)
 
 
+@pytest.mark.slow
 def test_an_error_every_process_meets_is_reported_once(data):
     # 12 training images per process cannot fill a batch of 20: both workers stop, one line is printed.
     result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "20", "-j", "0", "--nproc-per-node", "2"],
@@ -324,6 +333,7 @@ def test_an_error_every_process_meets_is_reported_once(data):
     assert_one_line_error(result, "argument -b/--batch-size: 20 per process")
 
 
+@pytest.mark.slow
 def test_an_error_on_another_node_is_reported_there(data, tmp_path):
     broken = make_image_folder(tmp_path / "broken")
     for image in (broken / "val" / "class_2").iterdir():
@@ -380,6 +390,7 @@ def wait_until_gone(job, tree, seconds):
     return [pid for pid in tree if running(pid)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
 def test_sigint_to_the_launcher_ends_every_process_within_10_seconds():
     job, tree = start_long_job()
@@ -390,6 +401,7 @@ def test_sigint_to_the_launcher_ends_every_process_within_10_seconds():
     assert "interrupted" in output and "Traceback" not in output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
 def test_a_crashed_worker_stops_the_others():
     job, tree = start_long_job()
@@ -417,6 +429,7 @@ def test_data_parallel_on_the_cpu_is_one_replica_and_trains_as_imagenet_nd(data,
     assert metrics(dp_run) == metrics(nd_run)
 
 
+@pytest.mark.slow
 def test_data_parallel_alexnet_checkpoint_has_plain_names(data, tmp_path):
     result = run_script([REPO / "imagenet_dp.py", data, "-a", "alexnet", "--image-size", "64", "--val-resize", "64",
                          "-b", "4", "-j", "0", "--epochs", "1", "--steps-per-epoch", "1", "--logdir", tmp_path],

@@ -122,6 +122,7 @@ def options(run_dir: Path) -> dict:
     return json.loads((run_dir / "config.json").read_text())["options"]
 
 
+@pytest.mark.slow
 def test_same_seed_gives_bit_identical_weights_and_metrics(runs):
     first = runs("imagenet_nd.py", *RESNET, "--seed", "5", "-j", "2")
     second = runs("imagenet_nd.py", *RESNET, "--seed", "5", "-j", "2", copy=1)
@@ -129,6 +130,7 @@ def test_same_seed_gives_bit_identical_weights_and_metrics(runs):
     assert_same_run(first, second)
 
 
+@pytest.mark.slow
 def test_the_number_of_data_workers_changes_nothing(runs):
     # Each image's crop and flip are seeded from (seed, epoch, index): drawn in two worker processes
     # or in the training process itself, they are the same.
@@ -137,11 +139,13 @@ def test_the_number_of_data_workers_changes_nothing(runs):
     assert_same_run(with_workers, in_process)
 
 
+@pytest.mark.slow
 def test_another_seed_gives_other_weights_and_metrics(runs):
     assert_other_run(runs("imagenet_nd.py", *RESNET, "--seed", "5", "-j", "2"),
                      runs("imagenet_nd.py", *RESNET, "--seed", "6", "-j", "2"))
 
 
+@pytest.mark.slow
 def test_dropout_repeats_with_the_same_seed(runs):
     # The model really draws at random in training: SqueezeNet 1.1's classifier drops out half its inputs.
     model = build_model("squeezenet1_1", num_classes=3, image_size=32)
@@ -151,6 +155,7 @@ def test_dropout_repeats_with_the_same_seed(runs):
     assert_same_run(first, runs("imagenet_nd.py", *SQUEEZENET, "--seed", "5", "-j", "0", copy=1))
 
 
+@pytest.mark.slow
 def test_deterministic_changes_nothing_on_the_cpu_and_is_recorded(runs):
     plain = runs("imagenet_nd.py", *SQUEEZENET, "--seed", "5", "-j", "0")
     deterministic = runs("imagenet_nd.py", *SQUEEZENET, "--seed", "5", "-j", "0", "--deterministic")
@@ -170,6 +175,7 @@ def test_two_process_ddp_runs_repeat_with_the_same_seed_only(runs):
     assert_other_run(first, runs("imagenet_ddp.py", *ddp, "--seed", "6"))
 
 
+@pytest.mark.slow
 def test_deterministic_sets_every_switch_a_gpu_run_needs():
     # In a process of its own: the switches are process-wide.
     code = ("import os, torch\nfrom common.engine import seed_everything\nseed_everything(3, True)\n"

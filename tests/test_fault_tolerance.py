@@ -42,6 +42,10 @@ TRAIN_IMAGES, VAL_IMAGES = 48, 9
 MODEL = ["-a", "squeezenet1_0", "--device", "cpu", "-j", "0", "--image-size", "32", "--val-resize", "32", "-b", "4",
          "--print-freq", "1", "--io-interval", "0", "--seed", "0"]
 STEP_DELAY = "0.5"  # seconds each optimizer step of a slowed run sleeps: room to act between two steps
+# Every test here starts, stops and restarts multi-process jobs (tens of seconds each): `make test`
+# leaves them to CI and `make test-all` (docs/tests.md).
+pytestmark = pytest.mark.slow
+
 SLURM_JOB = "4242"
 EX_TEMPFAIL = 75  # the documented status after a signal stop with its checkpoint written
 

@@ -193,6 +193,7 @@ def test_one_loader_per_backend_yields_the_same_batches_within_a_gray_level(tmp_
         assert ((reference.image - fast.image) * STD_255).abs().max() <= 1.001
 
 
+@pytest.mark.slow
 def test_the_gpu_backend_is_refused_on_the_cpu_with_one_line(tiny_data):
     completed = run_script(["imagenet_nd.py", str(tiny_data), "--data-backend", "gpu", "--epochs", "1"])
     assert completed.returncode == 2

@@ -224,6 +224,7 @@ def test_figures_without_data_are_not_written(tmp_path, capsys):
         "top1_val.pdf", "top1_val.png", "training_time.pdf", "training_time.png"]
 
 
+@pytest.mark.slow
 def test_user_errors_exit_2_with_one_line(tmp_path):
     for argv, message in (([str(tmp_path / "missing")], "missing: no such file or directory"),
                           ([str(tmp_path)], "no run directories, TensorBoard logs or storage-monitor CSVs"),
@@ -235,6 +236,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow
 def test_notebook_draws_the_figures(tmp_path):
     """figures/figures.ipynb, its code cells run in order in a fresh Python
     (no Jupyter), writes the figures of results/runs to $FIGURES_OUT and

@@ -138,6 +138,7 @@ def _overflow_on_rank0_at_step_1(rank, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path):
     import torch.multiprocessing as mp
 
@@ -175,6 +176,7 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("apex") / "data")
 
 
+@pytest.mark.slow
 def test_o0_is_imagenet_ddp(data, tmp_path):
     common = [data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1", "--nproc-per-node", "2"]
     ddp = run_script([REPO / "imagenet_ddp.py", *common, "--logdir", tmp_path / "ddp"], env_extra=ENV)
@@ -216,6 +218,7 @@ def precision_state(run_dir):
     return torch.load(run_dir / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["precision"]
 
 
+@pytest.mark.slow
 def test_resume_continues_the_loss_scale_and_weights_exactly(data, tmp_path):
     whole = run_script([APEX, data, *FP16_RUN, "--logdir", tmp_path / "whole"], env_extra=ENV)
     assert whole.returncode == 0, whole.stderr

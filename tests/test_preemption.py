@@ -94,6 +94,7 @@ def _decide_in_two_processes(rank: int, port: int, signalled_rank: int, signal_a
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(signalled_rank):
     results = mp.Manager().dict()

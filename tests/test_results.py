@@ -55,11 +55,13 @@ def test_upstream_section_side_by_side(runs):
     assert "## Figures" not in text
 
 
+@pytest.mark.slow
 def test_output_is_deterministic(runs):
     first, second = (results_command(runs, "--upstream", UPSTREAM) for _ in range(2))
     assert first.returncode == 0 and first.stdout == second.stdout and len(first.stdout) > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "empty", "upstream", "flag"])
 def test_user_errors_exit_2_with_one_line(runs, tmp_path, case):
     (tmp_path / "empty").mkdir()

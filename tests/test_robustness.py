@@ -152,8 +152,8 @@ def test_every_readable_oddity_decodes_to_its_colour(odd_data):
             assert image.getpixel((0, 0)) == ((60 + 80 * label) % 256,) * 3
 
 
-@pytest.mark.parametrize("script, procs", [("imagenet_nd.py", 1),
-                                           pytest.param("imagenet_ddp.py", 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("script, procs", [("imagenet_nd.py", 1), ("imagenet_ddp.py", 2)])
 def test_skip_counts_lists_and_replaces_every_unreadable_image(odd_data, tmp_path, script, procs):
     root, files = odd_data
     # 44 training images: with -b 2 per process, one or two processes visit each of them once per epoch
@@ -215,6 +215,7 @@ def test_fail_under_two_processes_stops_the_job_without_a_hang(odd_data, tmp_pat
         assert line.split(": cannot decode image")[0].split(": ")[-1] in bad
 
 
+@pytest.mark.slow
 def test_a_broken_class_folder_link_stops_the_run_naming_it(tmp_path):
     from conftest import make_image_folder
 
@@ -334,6 +335,7 @@ def test_tolerated_nan_steps_are_skipped_and_one_more_stops_the_run(tiny_data, t
             "--warmup-epochs)" in too_many.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_a_nan_in_the_last_step_of_an_epoch_stops_before_validation_and_its_checkpoint(tiny_data, tmp_path):
     result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "--epochs", "2", "--logdir", tmp_path / "runs",
                          "--run-name", "last"], env_extra=_with_nan(tmp_path, steps="5", rank=0))
@@ -384,6 +386,7 @@ def test_resident_memory_does_not_grow_across_epochs(tiny_data, tmp_path):
     assert after[3] <= 1.10 * after[1], after
 
 
+@pytest.mark.slow
 def test_a_log_directory_without_room_for_the_checkpoints_is_refused_before_training(tiny_data, tmp_path):
     logdir = tmp_path / "runs"
     result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "--logdir", logdir, "--run-name", "huge",

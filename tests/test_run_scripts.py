@@ -299,6 +299,7 @@ def epoch_rows(run_dir: Path):
         return [(row["epoch"], row["split"], row["images"], row["steps"]) for row in csv.DictReader(handle)]
 
 
+@pytest.mark.slow
 def test_srun_per_gpu_trains_for_real(fake_slurm, tmp_path):
     """The batch file's command, started as srun would start 2 tasks on one node, trains."""
     bin_dir, calls = fake_slurm
@@ -543,6 +544,7 @@ def test_sigterm_to_the_launcher_stops_every_node(fake_nodes):
     assert [(markers / f"rank{rank}").read_text() for rank in (0, 1)] == ["stopped by SIGTERM"] * 2
 
 
+@pytest.mark.slow
 def test_run_in_torchrun_style_meets_as_one_job(fake_nodes):
     """Two real torchruns, node ranks 0 and 1 on this machine, 2 processes each: one job of 4."""
     ssh, script, markers, _ = fake_nodes
@@ -555,6 +557,7 @@ def test_run_in_torchrun_style_meets_as_one_job(fake_nodes):
                          for host, rank in (("127.0.0.1", 0), ("127.0.0.1", 1), ("localhost", 2), ("localhost", 3))]
 
 
+@pytest.mark.slow
 def test_run_trains_a_two_node_job(fake_nodes, tmp_path):
     """The per-node commands, run through the ssh stand-in on 127.0.0.1 and localhost, train one job."""
     ssh, _, _, _ = fake_nodes

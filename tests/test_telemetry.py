@@ -146,6 +146,7 @@ def test_a_part_that_ends_within_its_warm_up_leaves_out_only_the_steps_it_ran():
     assert (joined.steps, joined.warmup_steps) == (30, 13)
 
 
+@pytest.mark.slow
 def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
     data = make_image_folder(tmp_path / "data")  # 24 training images (3 steps of 4 per process), 9 val
     result = run_script([REPO / "imagenet_ddp.py", data, "-a", "resnet18", "--image-size", "32", "--val-resize",

@@ -35,6 +35,7 @@ def max_abs_diff(a, b):
     return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
 
 
+@pytest.mark.slow
 def test_synthetic_command_runs_exactly_five_steps(tmp_path):
     result = run_script([REPO / "imagenet_nd.py", "--synthetic", "-a", "resnet18", "-b", "32", "--epochs", "1",
                          "--steps-per-epoch", "5", "--image-size", "64", "--val-resize", "64",
@@ -51,6 +52,7 @@ def test_synthetic_command_runs_exactly_five_steps(tmp_path):
     assert "imagenet_nd.py --synthetic -a resnet18 -b 32 --epochs 1 --steps-per-epoch 5 --image-size 64" in command
 
 
+@pytest.mark.slow
 def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_data, tmp_path):
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "2")
     config = json.loads((run_dir / "config.json").read_text())
@@ -84,6 +86,7 @@ def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_dat
     assert not list(run_dir.glob(".*tmp*"))  # atomic writes leave no temporary files behind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers):
     # Crops are seeded per image and dropout per step, in the training process with -j 0 and in
@@ -110,6 +113,7 @@ def test_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers):
     assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(other_seed / CHECKPOINT_NAME)) > 1e-3
 
 
+@pytest.mark.slow
 def test_resume_from_an_earlier_epoch_keeps_the_newer_files(tiny_data, tmp_path):
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "2")
     earlier = run_dir / "epoch2.pth.tar"
@@ -153,6 +157,7 @@ def test_desired_acc_stops_after_the_epoch_that_reaches_it(tiny_data, tmp_path, 
     assert "reached --desired-acc 1%" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_existing_run_name_is_never_overwritten(tiny_data, tmp_path):
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "1", "--run-name", "mine")
     before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
@@ -162,6 +167,7 @@ def test_existing_run_name_is_never_overwritten(tiny_data, tmp_path):
     assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
     from conftest import make_image_folder
 
@@ -175,6 +181,7 @@ def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
     assert result.returncode == 2 and "holds a resnet18 model, not resnet34; pass -a resnet18" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_signal_in_the_last_step_stops_before_validation_and_the_resume_loses_nothing(tiny_data, tmp_path,
                                                                                         monkeypatch):
     from common import engine
