@@ -456,7 +456,8 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
     schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
-    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, global_batch=global_batch, lr=lr)
+    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, global_batch=global_batch,
+                              lr=lr)
 
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
 

@@ -368,7 +368,8 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     ignore_stop_signals_until_training()
     try:
         _run_worker(train, cfg, launch, local_rank, spawned=True)
-    except (UsageError, KeyboardInterrupt) as error:  # Ctrl-C reaches every process of the terminal: the spawner says it
+    except (UsageError, KeyboardInterrupt) as error:
+        # Ctrl-C reaches every process of the terminal: the spawner says it, not each worker.
         sys.exit(exit_status(error, launch.rank_of(local_rank), local_rank, say_interrupted=False))
 
 
@@ -396,8 +397,9 @@ def restart_name(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     torchrun-<run id>; None when the launcher gives none."""
     if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
         return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    if slurm_job_id(environ):
-        return f"slurm-{slurm_job_id(environ)}"
+    job_id = slurm_job_id(environ)
+    if job_id:
+        return f"slurm-{job_id}"
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id not in ("", "none"):
         return f"torchrun-{run_id}"
