@@ -41,7 +41,6 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay,  # fused on GPUs (not under fp16 loss scaling)
                            loss_scaling=policy.scales_loss)
-    log.info(policy.describe())
     engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,
                global_batch=global_batch, lr=lr)  # --resume, then training and validation, or --evaluate
 

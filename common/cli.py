@@ -259,9 +259,10 @@ def _add_precision_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "mixed precision", "NVIDIA Apex's flags, implemented with native PyTorch AMP (torch.autocast, "
                            "torch.amp.GradScaler): Apex is not needed.")
-    group.add_argument("--opt-level", choices=("O0", "O1", "O2", "O3"), default="O1",
+    group.add_argument("--opt-level", choices=("auto", "O0", "O1", "O2", "O3"), default="auto",
                        help="O0: fp32. O1: autocast, fp32 weights. O2: O1 + channels-last on GPUs. O3: the whole "
-                            "model in half precision (may diverge)")
+                            "model in half precision (may diverge). auto (default): the fastest level whose half type "
+                            "is native here: O2 on GPUs, O1 on CPUs with native bf16 (AVX512/AMX), O0 elsewhere")
     group.add_argument("--amp-dtype", choices=("fp16", "bf16"), default=None,
                        help="half type (default: fp16 on CUDA GPUs, bf16 on the CPU); bf16 needs no loss scaling")
     group.add_argument("--keep-batchnorm-fp32", type=_true_false, default=None, metavar="True|False",

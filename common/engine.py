@@ -453,6 +453,12 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
     and its optimizer made: the LR schedule and loss of the recipe, --resume
     (to the step), then --evaluate's one validation pass, or the run
     directory, the configuration record and fit()."""
+    # --opt-level auto, resolved now that the device is known: the run's name, config.json and the
+    # checkpoint's recipe say what ran.
+    cfg = dataclasses.replace(cfg, opt_level=policy.opt_level)
+    log.info(policy.describe())
+    if policy.warning:  # a half type this device emulates: said once, at the start, and kept in config.json
+        log.info(policy.warning)
     schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
@@ -474,7 +480,8 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
     log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     resolved = {
-        "global_batch": global_batch, "lr": lr, "precision": policy.name, "channels_last": channels_last,
+        "global_batch": global_batch, "lr": lr, "precision": policy.name,
+        "precision_warning": policy.warning, "channels_last": channels_last,
         "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
         "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),

@@ -29,9 +29,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from common import hardware
 from common.errors import UsageError
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+AUTO = "auto"  # --opt-level's default: the fastest level that is native on the device (build_policy)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NEVER_GROW = 10**9  # growth interval (steps) of a static --loss-scale: it only halves on overflow
 
@@ -41,8 +43,11 @@ class FP32:
 
     name = "fp32"
     opt_level = "O0"
+    dtype_name = None  # no half type
     channels_last = False  # FP32 leaves the memory format to --channels-last
     scales_loss = False  # no GradScaler that could skip a step
+    chosen_because: Optional[str] = None  # --opt-level auto: why this level (said by describe())
+    warning: Optional[str] = None  # one line for the start of the run: a half type this device emulates
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -60,7 +65,10 @@ class FP32:
         return {}
 
     def describe(self) -> str:
-        return "precision: fp32"
+        return "precision: fp32" + self._chosen()
+
+    def _chosen(self) -> str:
+        return f" (--opt-level auto: {self.chosen_because})" if self.chosen_because else ""
 
     def state_dict(self) -> dict:
         return {}
@@ -76,8 +84,9 @@ class MixedPrecision(FP32):
                  keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None):
         self.opt_level = opt_level
         self.dtype = dtype
+        self.dtype_name = "fp16" if dtype == torch.float16 else "bf16"
         self.device_type = device.type
-        self.name = f"{opt_level} {'fp16' if dtype == torch.float16 else 'bf16'}"
+        self.name = f"{opt_level} {self.dtype_name}"
         self.channels_last = opt_level in ("O2", "O3") and device.type == "cuda"
         # Apex's defaults: BatchNorm stays fp32 except in O3, where it follows the model.
         self.keep_batchnorm_fp32 = opt_level != "O3" if keep_batchnorm_fp32 is None else keep_batchnorm_fp32
@@ -145,8 +154,7 @@ class MixedPrecision(FP32):
                 "skipped_since_start": self.skipped_steps - self.skipped_before_resume}
 
     def describe(self) -> str:
-        parts = [f"precision: Apex opt level {self.opt_level} with native AMP, "
-                 f"{'fp16' if self.dtype == torch.float16 else 'bf16'}"]
+        parts = [f"precision: Apex opt level {self.opt_level} with native AMP, {self.dtype_name}{self._chosen()}"]
         if self.opt_level == "O3":
             parts.append(f"whole model in half precision (BatchNorm in {'fp32' if self.keep_batchnorm_fp32 else 'half'})"
                          ", no fp32 master weights: a speed baseline that may diverge")
@@ -170,14 +178,32 @@ class MixedPrecision(FP32):
 
 
 def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
-                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None):
-    """The policy of --opt-level; --amp-dtype defaults to fp16 on CUDA GPUs
-    and bf16 on the CPU (where fp16 autocast is many times slower than fp32)."""
-    if opt_level == "O0":
-        return FP32()
+                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None,
+                 support: Optional[hardware.HalfSupport] = None):
+    """The policy of --opt-level. --amp-dtype defaults to fp16 on CUDA GPUs
+    and bf16 on the CPU (where fp16 autocast is many times slower than fp32).
+    `auto` takes the fastest level that is native here: O2 on a GPU with
+    fast fp16 (or bf16, if asked), O1 on a CPU with native bf16 (O2 adds
+    nothing there: channels-last is already the CPU's default), else O0. An
+    explicit O1-O3 in a half type this device emulates still runs, with a
+    warning. `support`: the device's (common.hardware), asked when not given."""
+    support = support or hardware.half_support(device)
     dtype_name = amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    chosen_because = None
+    if opt_level == AUTO:
+        if support.native(dtype_name):
+            opt_level = "O2" if device.type == "cuda" else "O1"
+            chosen_because = f"{dtype_name} is native on this {_where(device)} ({support.capability})"
+        else:
+            opt_level = "O0"
+            chosen_because = (f"{dtype_name} is emulated on this {_where(device)} ({support.capability}), slower "
+                              f"than fp32; --opt-level O1 would use it anyway")
+    if opt_level == "O0":
+        policy = FP32()
+        policy.chosen_because = chosen_because
+        return policy
     # Compute capability 8 (Ampere) brought bf16 tensor cores; older GPUs would emulate it, slowly.
-    if dtype_name == "bf16" and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+    if dtype_name == "bf16" and device.type == "cuda" and not support.bf16_native:
         raise UsageError(f"argument --amp-dtype: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16")
     if keep_batchnorm_fp32 is False and opt_level in ("O1", "O2"):
         raise UsageError(f"argument --keep-batchnorm-fp32: {opt_level} keeps fp32 weights, BatchNorm included; "
@@ -185,4 +211,11 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
     if opt_level == "O3" and dtype_name == "fp16" and loss_scale not in (None, 1.0):
         raise UsageError("argument --loss-scale: O3 keeps no fp32 master weights to unscale gradients into; "
                          "it trains unscaled (use O1 or O2 for loss scaling)")
-    return MixedPrecision(opt_level, DTYPES[dtype_name], device, keep_batchnorm_fp32, loss_scale)
+    policy = MixedPrecision(opt_level, DTYPES[dtype_name], device, keep_batchnorm_fp32, loss_scale)
+    policy.chosen_because = chosen_because
+    policy.warning = support.emulation_warning(dtype_name, opt_level)
+    return policy
+
+
+def _where(device: torch.device) -> str:
+    return "GPU" if device.type == "cuda" else "CPU"

@@ -31,6 +31,7 @@ import torchvision
 
 from common.checkpoint import ResumePoint
 from common.config import Config
+from common import hardware
 from common.distributed import Context
 from common.errors import one_line
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
@@ -110,6 +111,7 @@ def environment(ctx: Context) -> dict:
         "world_size": ctx.world_size,  # training processes
         "replicas": ctx.replicas,  # model replicas: GPUs (or CPU processes) in the job
         "launcher": ctx.launcher,
+        **hardware.describe(ctx.device),  # which half types run natively: cpu_capability, cpu_bf16_native, ...
     }
 
 

@@ -65,11 +65,12 @@ FAST_ARGS = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b",
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX); on an AVX2-only CPU
-    it is emulated, about 16x slower than fp32 (issue 25)."""
-    import torch
+    """Whether this CPU runs bf16 natively (AVX512, AMX) as common.hardware sees
+    it; on an AVX2-only CPU, or with ATEN_CPU_CAPABILITY=avx2 set, it is
+    emulated: about 16x slower than fp32 (issue 25)."""
+    from common import hardware
 
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return hardware.cpu_half_support().bf16_native
 
 
 def pytest_collection_modifyitems(config, items):

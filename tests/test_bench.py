@@ -2,12 +2,13 @@
 configuration with the documented fields, the same rows in the CSV, and the
 ratios computed from them."""
 import csv
+import dataclasses
 import json
 
 import pytest
 
 from common.tools import bench
-from conftest import make_image_folder, run_command
+from conftest import cpu_has_native_bf16, make_image_folder, run_command
 
 import sys
 
@@ -19,15 +20,21 @@ def json_rows(stdout: str) -> list:
 
 
 def check_rows(rows: list, csv_path) -> None:
+    """Every field in order; figures in every row but those of a half type this CPU emulates, which say so."""
     for row in rows:
         assert tuple(row) == bench.FIELDS  # every field, in order
-        for field in NUMBERS:
-            assert float(row[field]) > 0, (row["config"], field)
-        assert row["torch"] and row["torchvision"] and row["device_name"] and row["date"]
+        if row["note"].endswith("skipped (--measure-emulated times it)"):
+            assert all(row[field] == "" for field in NUMBERS), row
+        else:
+            for field in NUMBERS:
+                assert float(row[field]) > 0, (row["config"], field)
+        assert row["torch"] and row["torchvision"] and row["device_name"] and row["date"] and row["capability"]
+        assert row["bf16_native"] in (True, False)
     with open(csv_path, newline="") as handle:
         written = list(csv.DictReader(handle))
     assert [row["config"] for row in written] == [row["config"] for row in rows]
-    assert [float(row["images_per_second"]) for row in written] == [row["images_per_second"] for row in rows]
+    assert [row["images_per_second"] and float(row["images_per_second"]) for row in written] == \
+        [row["images_per_second"] for row in rows]
 
 
 def test_record_has_every_field_and_refuses_unknown_ones():
@@ -116,15 +123,20 @@ def test_train_section_runs_each_script_and_the_reference_loop(tmp_path):
     rows = json_rows(completed.stdout)
     check_rows(rows, csv_path)
     described = {row["config"]: (row["precision"], row["memory_format"]) for row in rows}
+    native = cpu_has_native_bf16()
     assert described == {
         "reference": ("fp32", "contiguous"),
         "nd": ("fp32", "channels_last"),  # --memory-format auto on the CPU
         "nd contiguous": ("fp32", "contiguous"),
         "ddp": ("fp32", "channels_last"),
-        "ddp_apex O1": ("O1 bf16", "channels_last"),
-        "ddp_apex O2 channels_last": ("O2 bf16", "channels_last"),
+        # Where bf16 is emulated, its rows name what was asked and are not timed (no memory format ran).
+        "ddp_apex O1": ("O1 bf16", "channels_last" if native else ""),
+        "ddp_apex O2 channels_last": ("O2 bf16", "channels_last" if native else ""),
+        "ddp_apex auto": ("O1 bf16" if native else "fp32", "channels_last"),  # what the script picks here
     }
-    assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 for row in rows)
+    timed = [row for row in rows if row["images_per_second"] != ""]
+    assert len(timed) == (7 if native else 5)
+    assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 for row in timed)
     assert any(line.startswith("train: fp32 (imagenet_nd.py) over the reference loop: ")
                for line in completed.stdout.splitlines())
 
@@ -155,6 +167,34 @@ def test_train_configurations_named_run_compiled_ones_without_the_compile_flag(t
     asked.clear()
     compiled = bench.train_section(settings, tmp_path, with_compile=True)
     assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in bench.COMPILE_CONFIGS]
+
+
+def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "bf16 emulated on this CPU (AVX2)"
+                        if "O1" in flags or "O2" in flags else "")
+    asked = _fake_measurements(monkeypatch)
+    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
+                              workers=[1], data=None, input_batches=2, input_rounds=1)
+    rows = bench.train_section(settings, tmp_path, with_compile=False)
+    assert "imagenet_ddp_apex.py --nproc-per-node 1 --opt-level O1" not in asked  # not run at all
+    skipped = {row["config"]: (row["precision"], row["images_per_second"], row["note"]) for row in rows if row["note"]}
+    assert skipped == {
+        "ddp_apex O1": ("O1 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)"),
+        "ddp_apex O2 channels_last": ("O2 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated "
+                                                     "times it)")}
+    lines = bench.ratios(rows)
+    assert lines[:3] == [
+        "train: fp32 (imagenet_nd.py) over the reference loop: 1.00x (target >= 1x on the 2-core CPU: met)",
+        "train: imagenet_ddp_apex.py's own choice of precision over the reference loop: 1.00x (target >= 1x on the "
+        "2-core CPU: met)",
+        "train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated on this CPU "
+        "(AVX2): skipped (--measure-emulated times it)); not a speed-up on this machine"]
+    # Asked to, it times them anyway, and labels them.
+    measured = bench.train_section(dataclasses.replace(settings, measure_emulated=True), tmp_path, with_compile=False)
+    labelled = {row["config"]: row["note"] for row in measured if row["note"]}
+    assert labelled == {"ddp_apex O1": "bf16 emulated on this CPU (AVX2)",
+                        "ddp_apex O2 channels_last": "bf16 emulated on this CPU (AVX2)"}
+    assert all(row["images_per_second"] == 10.0 for row in measured)
 
 
 def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):

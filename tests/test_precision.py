@@ -4,13 +4,14 @@ imagenet_ddp_apex.py launched as the Apex tutorial launches it."""
 import csv
 import json
 import math
+import platform
 import sys
 
 import pytest
 import torch
 from torch import nn
 
-from common import cli
+from common import cli, hardware
 from common.errors import UsageError
 from common.launch import free_local_port
 from common.engine import sgd_implementation
@@ -34,6 +35,56 @@ def test_opt_levels_and_their_apex_defaults():
     assert static.scaler.get_scale() == 128.0 and static.scaler.get_growth_interval() == NEVER_GROW
     o3 = build_policy("O3", "fp16", CPU)
     assert not o3.scaler.is_enabled() and o3.keep_batchnorm_fp32 is False  # Apex: O3 trains unscaled
+
+
+NATIVE_BF16 = hardware.HalfSupport("cpu", "AVX512", bf16_native=True, fp16_native=False)
+EMULATED = hardware.HalfSupport("cpu", "AVX2", bf16_native=False, fp16_native=False)
+
+
+def test_auto_takes_the_fastest_level_that_is_native_here():
+    native = build_policy("auto", None, CPU, support=NATIVE_BF16)
+    assert (native.opt_level, native.dtype, native.warning) == ("O1", torch.bfloat16, None)
+    assert native.describe().startswith("precision: Apex opt level O1 with native AMP, bf16 (--opt-level auto: "
+                                        "bf16 is native on this CPU (AVX512))")
+    emulated = build_policy("auto", None, CPU, support=EMULATED)
+    assert isinstance(emulated, FP32) and emulated.opt_level == "O0" and emulated.warning is None
+    assert emulated.describe() == ("precision: fp32 (--opt-level auto: bf16 is emulated on this CPU (AVX2), slower "
+                                   "than fp32; --opt-level O1 would use it anyway)")
+    asked_fp16 = build_policy("auto", "fp16", CPU, support=NATIVE_BF16)  # the half type asked for decides
+    assert isinstance(asked_fp16, FP32)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_an_asked_half_type_that_is_emulated_runs_with_one_warning(level):
+    policy = build_policy(level, None, CPU, support=EMULATED)
+    assert (policy.opt_level, policy.dtype) == (level, torch.bfloat16)  # still what was asked
+    assert policy.warning == (
+        f"warning: bf16 is emulated on this CPU (AVX2; native bf16 needs AVX512, best with AVX512-BF16 or AMX): "
+        f"expect --opt-level {level} to train much slower than fp32 (16x for ResNet-18 on a 2-core AVX2 EPYC); "
+        f"--opt-level O0 trains in fp32 at full speed")
+    assert build_policy(level, None, CPU, support=NATIVE_BF16).warning is None
+    fp16 = build_policy(level, "fp16", CPU, support=NATIVE_BF16).warning  # fp16 has its own instructions
+    assert fp16.startswith("warning: fp16 is emulated on this CPU (AVX512; native fp16 needs AVX512-FP16 or AMX-FP16)")
+    assert build_policy("O0", None, CPU, support=EMULATED).warning is None
+
+
+def test_the_hardware_answer_follows_pytorchs_capability_caps(monkeypatch):
+    monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(hardware, "_onednn_supports", lambda check: True)  # a CPU with AMX, as oneDNN says
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert hardware.cpu_half_support() == hardware.HalfSupport("cpu", "AVX512", True, True, None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert hardware.cpu_half_support().bf16_native  # a cap above AVX512 leaves it native
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hardware.cpu_half_support() == hardware.HalfSupport("cpu", "AVX512", False, False, "ONEDNN_MAX_CPU_ISA=AVX2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # what ATen then reports:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert hardware.cpu_half_support() == hardware.HalfSupport("cpu", "AVX2", False, False, "ATEN_CPU_CAPABILITY=avx2")
+    described = hardware.describe(CPU)
+    assert (described["cpu_capability"], described["cpu_bf16_native"]) == ("AVX2", False)
 
 
 def _overflow_then_a_good_step(implementation: dict):
@@ -109,7 +160,7 @@ def test_apex_flag_spellings_parse():
     assert (cfg.batch_size, cfg.workers, cfg.opt_level, cfg.keep_batchnorm_fp32, cfg.loss_scale, cfg.local_rank) == \
         (208, 20, "O2", True, 128.0, 3)
     assert cli.parse("ddp_apex", ["--synthetic", "--loss-scale", "dynamic"]).loss_scale == "dynamic"
-    assert cli.parse("ddp_apex", ["--synthetic"]).opt_level == "O1"
+    assert cli.parse("ddp_apex", ["--synthetic"]).opt_level == "auto"  # resolved by build_policy, on the device
     assert cli.parse("nd", ["--synthetic", "--b", "7"]).batch_size == 7  # --b means -b in every script
     for bad in (["--loss-scale", "big"], ["--keep-batchnorm-fp32", "yes"], ["--opt-level", "O4"]):
         with pytest.raises(UsageError):
@@ -199,13 +250,50 @@ def test_the_tutorial_launch_lines_run(data, tmp_path):
                         "--logdir", tmp_path / "two"]) for node in (1, 0)]
     torchrun = [start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                        "--master-port", str(port + 2), APEX, *tutorial, "--logdir", tmp_path / "torchrun"])]
-    finish(one_node + two_nodes + torchrun)
+    outputs = finish(one_node + two_nodes + torchrun)
+    # Said once per job by its primary process, and only where bf16 is emulated (AVX2-only CPUs).
+    warned = [output.count("warning: bf16 is emulated") for output in outputs]
+    assert warned == ([0] * 4 if cpu_has_native_bf16() else [1, 0, 1, 1]), warned  # two nodes: node 0 says it
     for name in ("one", "two", "torchrun"):
         run_dir = single_run_dir(tmp_path / name)
         assert run_dir.name.endswith("_squeezenet1_1_cpux2_b4_cpu1_optO1"), run_dir.name
         config = json.loads((run_dir / "config.json").read_text())
         assert config["resolved"]["precision"] == "O1 bf16" and config["resolved"]["global_batch"] == 8
         assert [int(row["images"]) for row in metrics(run_dir)] == [2 * 8, 9]  # 2 steps of the global batch
+
+
+# PyTorch's and oneDNN's own caps: bf16 (and fp16) emulated on any x86 CPU, as on an AVX2-only one.
+EMULATED_HALF = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the caps are x86 instruction sets")
+def test_an_emulated_half_type_is_said_once_at_the_start_and_recorded(data, tmp_path):
+    tiny = [data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1", "--steps-per-epoch", "1"]
+    env = dict(ENV, **EMULATED_HALF)
+    asked = run_script([APEX, *tiny, "--opt-level", "O1", "--nproc-per-node", "2", "--logdir", tmp_path / "asked"],
+                       env_extra=env)
+    assert asked.returncode == 0, asked.stderr
+    said = [line for line in asked.stdout.splitlines() if "is emulated" in line]
+    assert len(said) == 1, said  # two processes, one line: the primary's
+    assert said[0].startswith("warning: bf16 is emulated on this CPU (AVX2, capped by ONEDNN_MAX_CPU_ISA=AVX2; native "
+                              "bf16 needs AVX512") and "--opt-level O0 trains in fp32" in said[0]
+    lines = asked.stdout.splitlines()
+    assert lines.index(said[0]) < next(index for index, line in enumerate(lines) if line.startswith("train epoch 0"))
+    config = json.loads((single_run_dir(tmp_path / "asked") / "config.json").read_text())
+    assert config["resolved"]["precision"] == "O1 bf16" and config["resolved"]["precision_warning"] == said[0]
+    environment = config["environment"]
+    assert (environment["cpu_capability"], environment["cpu_bf16_native"], environment["cpu_fp16_native"],
+            environment["cpu_capped_by"]) == ("AVX2", False, False, "ONEDNN_MAX_CPU_ISA=AVX2")
+
+    # Left to choose (--opt-level auto, the default), the script trains in fp32 here, and says why, as no warning.
+    chosen = run_script([APEX, *tiny, "--nproc-per-node", "1", "--logdir", tmp_path / "auto"], env_extra=env)
+    assert chosen.returncode == 0, chosen.stderr
+    assert "warning:" not in chosen.stdout
+    assert "precision: fp32 (--opt-level auto: bf16 is emulated on this CPU (AVX2)" in chosen.stdout
+    run_dir = single_run_dir(tmp_path / "auto")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert run_dir.name.endswith("_optO0") and config["options"]["opt_level"] == "O0"
+    assert config["resolved"]["precision"] == "fp32" and config["resolved"]["precision_warning"] is None
 
 
 FP16_RUN = [*MODEL, "-b", "4", "-j", "0", "--epochs", "2", "--opt-level", "O1", "--amp-dtype", "fp16",

@@ -73,3 +73,24 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, case):
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and named in done.stderr, done.stderr
     assert done.stderr.startswith("python -m common.tools.results: error: ")
+
+
+def test_bench_tables_name_each_machines_half_precision_support(tmp_path):
+    from common.tools import bench
+
+    machine = dict(device_name="AMD EPYC (2 cores)", date="2026-11-25", torch="2.14.1", torchvision="0.29.1",
+                   cuda="", cpu_threads=2, host="vm", capability="AVX2", bf16_native=False, fp16_native=False)
+    rows = [bench.record(section="train", config="reference", precision="fp32", images_per_second=10.0, **machine),
+            bench.record(section="train", config="nd", precision="fp32", images_per_second=11.0, **machine),
+            bench.record(section="train", config="ddp_apex O2 channels_last", precision="O2 bf16",
+                         note="bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)", **machine)]
+    new = tmp_path / "new.csv"
+    bench.write_csv(rows, new)
+    old = tmp_path / "old.csv"  # written before the harness recorded half-precision support
+    old.write_text("\n".join(",".join(str(row[field]) for field in bench.FIELDS[:-4]) for row in
+                             [dict(zip(bench.FIELDS, bench.FIELDS))] + rows[:2]) + "\n")
+    text = results.bench_section([str(new), str(old)])
+    assert "host `vm`; capability AVX2: bf16 emulated, fp16 emulated." in text
+    assert "| train | ddp_apex O2 channels_last | O2 bf16 | — |  |  | — (bf16 emulated on this CPU (AVX2): skipped" in text
+    assert "host `vm`; half-precision support not recorded by this version of the harness." in text
+    assert "- train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated" in text

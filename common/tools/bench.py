@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "precision", "memory_format",
           "compile", "data_backend", "workers", "images_per_second", "images_per_second_per_worker", "ms_per_step",
           "peak_memory_mib", "measured_steps", "warmup_steps", "device_name", "cpu_threads", "torch", "torchvision",
-          "cuda", "host", "date")
+          "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note")
 
 # (config name, script, extra flags): the entry scripts' configurations of the train section.
 # imagenet_ddp*.py run as one process here; on a GPU imagenet_dp.py is DataParallel over one GPU.
@@ -70,6 +70,7 @@ TRAIN_CONFIGS = (
     ("ddp_apex O1", "imagenet_ddp_apex.py", ["--nproc-per-node", "1", "--opt-level", "O1"]),
     ("ddp_apex O2 channels_last", "imagenet_ddp_apex.py",
      ["--nproc-per-node", "1", "--opt-level", "O2", "--memory-format", "channels_last"]),
+    ("ddp_apex auto", "imagenet_ddp_apex.py", ["--nproc-per-node", "1"]),  # the precision it picks on this machine
 )
 COMPILE_CONFIGS = (
     ("nd compile", "imagenet_nd.py", ["--compile"]),
@@ -88,6 +89,9 @@ GPU_TARGETS = (
 )
 CPU_TARGETS = (
     ("train: fp32 (imagenet_nd.py) over the reference loop", "nd", "reference", "train", 1.0),
+    ("train: imagenet_ddp_apex.py's own choice of precision over the reference loop", "ddp_apex auto", "reference",
+     "train", 1.0),
+    # Where bf16 is native (AVX512-BF16/AMX); elsewhere its row says emulated and skipped, and so does this line.
     ("train: bf16 autocast + channels-last over the reference loop", "ddp_apex O2 channels_last", "reference",
      "train", 2.2),
     ("input: images/s per worker, torchvision backend over the reference pipeline", "torchvision", "reference",
@@ -107,17 +111,25 @@ class Settings:
     data: Optional[str]
     input_batches: int
     input_rounds: int = 1
+    measure_emulated: bool = False  # time half-precision configurations this device only emulates (slowly)
 
 
 def versions() -> Dict[str, object]:
+    """What every row records about the machine: device, versions, and the
+    device's half-precision support (common.hardware)."""
     import torch
     import torchvision
 
+    from common import hardware
+
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else (_cpu_model() or platform.processor() or "CPU")
+    support = hardware.half_support(torch.device("cuda", 0) if cuda else torch.device("cpu"))
     return {"device_name": name, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "cuda": torch.version.cuda if cuda else "",
-            "host": socket.gethostname(), "date": datetime.date.today().isoformat()}
+            "host": socket.gethostname(), "date": datetime.date.today().isoformat(),
+            "capability": support.capability + (f" ({support.capped_by})" if support.capped_by else ""),
+            "bf16_native": support.bf16_native, "fp16_native": support.fp16_native}
 
 
 def _cpu_model() -> str:
@@ -333,9 +345,43 @@ def train_section(settings: Settings, logdir: Path, with_compile: bool,
             continue  # DataParallel without GPUs is the plain model: the nd row
         if not (name in only if only is not None else with_compile or "--compile" not in flags):
             continue
+        emulated = emulated_half(flags, settings.device)
+        if emulated and not settings.measure_emulated:
+            rows.append(emit(record(config=name, compile="--compile" in flags, precision=_asked_precision(flags,
+                                    settings.device), note=f"{emulated}: skipped (--measure-emulated times it)",
+                                    **common)))
+            continue
         measured = run_script(script, flags, settings, logdir)
-        rows.append(emit(record(config=name, compile="--compile" in flags, **common, **measured)))
+        rows.append(emit(record(config=name, compile="--compile" in flags, note=emulated or "", **common,
+                                **measured)))
     return rows
+
+
+def _asked_precision(flags: Sequence[str], device: str) -> str:
+    """'O1 bf16' for the half-precision flags of a configuration; '' for fp32 and --opt-level auto."""
+    level = flags[flags.index("--opt-level") + 1] if "--opt-level" in flags else None
+    if level in (None, "O0"):
+        return ""
+    dtype = flags[flags.index("--amp-dtype") + 1] if "--amp-dtype" in flags else (
+        "fp16" if device == "cuda" else "bf16")
+    return f"{level} {dtype}"
+
+
+def emulated_half(flags: Sequence[str], device: str) -> str:
+    """'bf16 emulated on this CPU (AVX2)' where the configuration asks for a
+    half type the device only emulates (common.hardware); '' otherwise."""
+    import torch
+
+    from common import hardware
+
+    asked = _asked_precision(flags, device)
+    if not asked:
+        return ""
+    dtype = asked.split()[1]
+    support = hardware.half_support(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
+    if support.native(dtype):
+        return ""
+    return f"{dtype} emulated on this {'GPU' if device == 'cuda' else 'CPU'} ({support.capability})"
 
 
 def input_section(settings: Settings, root: str) -> List[dict]:
@@ -392,18 +438,25 @@ def emit(row: dict) -> dict:
 def ratios(rows: List[dict]) -> List[str]:
     """The comparisons the README's targets are stated in, one line each."""
     def value(section, config, column="images_per_second"):
-        matches = [row for row in rows if row["section"] == section and row["config"] == config]
+        matches = [row for row in rows if row["section"] == section and row["config"] == config
+                   and row[column if section != "input" else "images_per_second_per_worker"] not in ("", None)]
         if not matches:
             return None
         if section == "input":  # each pipeline's best per-worker figure over the worker counts tried
             return max(float(row["images_per_second_per_worker"]) for row in matches)
         return float(matches[-1][column])
 
+    def skipped(section, config):
+        return next((row["note"] for row in rows if row["section"] == section and row["config"] == config
+                     and row.get("note") and row["images_per_second"] in ("", None)), None)
+
     lines = []
     on_gpu = any(row.get("cuda") for row in rows)
     for name, numerator, denominator, section, target in GPU_TARGETS if on_gpu else CPU_TARGETS:
         top = value(section, numerator)
         bottom = value(section, denominator) if denominator else 1.0
+        if top is None and skipped(section, numerator):
+            lines.append(f"{name}: not measured ({skipped(section, numerator)}); not a speed-up on this machine")
         if top is None or bottom is None:
             continue
         ratio = top / bottom
@@ -473,6 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=[name for name, _, _ in TRAIN_CONFIGS + COMPILE_CONFIGS],
                         help="only these script configurations in the train section (the reference loop always "
                              "runs); default: all")
+    parser.add_argument("--measure-emulated", action="store_true",
+                        help="also time half-precision configurations whose half type this device emulates "
+                             "(bf16 on CPUs without AVX512/AMX: about 16x slower than fp32); by default their rows "
+                             "say so and are skipped")
     parser.add_argument("--compile", action="store_true", help="also time --compile configurations (the "
                                                                 "compilation itself is in the warm-up steps)")
     parser.add_argument("--csv", default=None, metavar="PATH",
@@ -500,14 +557,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else (10 if gpu else 3),
         steps=args.steps or (40 if gpu else 8), workers=args.workers or ([4, 8, 12] if gpu else [1, 2]),
         data=args.data, input_batches=args.input_batches or (40 if gpu else 10),
-        input_rounds=args.input_rounds or (1 if gpu else 3))
+        input_rounds=args.input_rounds or (1 if gpu else 3), measure_emulated=args.measure_emulated)
     if args.data is not None and not Path(args.data, "train").is_dir():
         raise UsageError(f"argument --data: {args.data} has no train/ folder")
     stamp = time.strftime("%Y%m%d_%H%M%S")
     csv_path = Path(args.csv or f"runs/bench/{stamp}_{socket.gethostname()}_{'gpu' if gpu else 'cpu'}.csv")
     if csv_path.exists():
         raise UsageError(f"argument --csv: {csv_path} exists; choose another name (nothing is overwritten)")
-    print(f"benchmark on {versions()['device_name']}: {settings.arch}, batch {settings.batch_size}, "
+    machine = versions()
+    print(f"benchmark on {machine['device_name']} ({machine['capability']}: bf16 "
+          f"{'native' if machine['bf16_native'] else 'emulated'}, fp16 "
+          f"{'native' if machine['fp16_native'] else 'emulated'}): {settings.arch}, batch {settings.batch_size}, "
           f"{settings.warmup_steps} warm-up + {settings.steps} measured steps per configuration", flush=True)
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as logdir:

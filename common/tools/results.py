@@ -160,16 +160,33 @@ def bench_section(paths: Sequence[str]) -> str:
         parts += ["", f"### {first['device_name']}, {first['date']} (`{Path(path).as_posix()}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
-                  f"host `{first['host']}`.", "",
+                  f"host `{first['host']}`; {_half_support(first)}.", "",
                   table(["section", "configuration", "precision", "memory format", "data", "workers", "images/s",
                          "images/s per worker", "ms/step", "peak memory (MiB)"],
                         [[row["section"], row["config"], row["precision"] or "—", row["memory_format"] or "—",
-                          row["data_backend"], row["workers"], number(_float(row["images_per_second"]), 1),
+                          row["data_backend"], row["workers"],
+                          number(_float(row["images_per_second"]), 1) + _note(row),
                           number(_float(row["images_per_second_per_worker"]), 1),
                           number(_float(row["ms_per_step"]), 1), number(_float(row["peak_memory_mib"]), 0)]
                          for row in rows]), ""]
         parts += [f"- {line}" for line in bench.ratios(rows)]
     return "\n".join(parts)
+
+
+def _half_support(row: dict) -> str:
+    """'capability AVX2: bf16 emulated, fp16 emulated', from the columns bench
+    has written since issue 25 (older CSVs: not recorded; results/NOTES.md says)."""
+    if not row.get("capability"):
+        return "half-precision support not recorded by this version of the harness"
+
+    def said(column):
+        return "native" if str(row.get(column)).lower() == "true" else "emulated"
+
+    return f"capability {row['capability']}: bf16 {said('bf16_native')}, fp16 {said('fp16_native')}"
+
+
+def _note(row: dict) -> str:
+    return f" ({row['note']})" if row.get("note") else ""
 
 
 def _float(value) -> Optional[float]:
