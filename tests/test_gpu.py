@@ -47,6 +47,7 @@ def _train_rows(run_dir):
     ("imagenet_ddp_apex.py", ["--opt-level", "O2", "--sync-bn"], "_optO2"),
     ("imagenet_ddp_apex.py", ["--opt-level", "O3"], "_optO3"),
     ("imagenet_ddp_apex.py", ["--opt-level", "O3", "--keep-batchnorm-fp32", "True"], "_optO3"),
+    ("imagenet_ddp_apex.py", [], "_optO2"),  # --opt-level auto, on a GPU with fast fp16 (compute capability 7.0+)
 ])
 def test_parallel_scripts_on_the_gpus(tmp_path, script, extra, name_part):
     """DataParallel, DDP with NCCL and SyncBatchNorm, and fp16 O1/O2 on every visible GPU: a few finite steps."""
@@ -58,7 +59,7 @@ def test_parallel_scripts_on_the_gpus(tmp_path, script, extra, name_part):
     assert name_part in run_dir.name
     train = _train_rows(run_dir)[0]
     assert int(train["steps"]) == 3 and math.isfinite(float(train["loss"]))
-    if "O1" in extra or "O2" in extra:
+    if "O1" in extra or "O2" in extra or not extra:
         assert float(train["loss_scale"]) > 0  # fp16 on CUDA: the scaler is on
 
 
