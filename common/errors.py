@@ -6,6 +6,7 @@ can raise a UsageError and every process ends with a status from here.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -105,3 +106,15 @@ def run_main(main: Callable[[], object], rank: Optional[int] = None, local_rank:
         main()
     except (UsageError, KeyboardInterrupt) as error:
         sys.exit(exit_status(error, rank, local_rank))
+    finally:
+        skip_final_collection()
+
+
+def skip_final_collection() -> None:
+    """Spare the interpreter's last garbage collection, at exit, over the
+    objects of torch, torchvision and torch._dynamo: 1.3 s of every process's
+    run on a 2-core VM (measured: `import common.engine` and exit, 6.9 s against
+    5.7 s). What is left is freed with the process; files, checkpoints and
+    TensorBoard writers are closed explicitly before this, and data-loading
+    processes are stopped by multiprocessing's own exit handler."""
+    gc.freeze()

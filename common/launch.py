@@ -38,7 +38,8 @@ import torch.distributed as dist
 from common.config import Config
 from common.distributed import Context, select_device, use_device
 from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
-                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary, exit_status, program)
+                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary, exit_status, program,
+                           skip_final_collection)
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
@@ -371,6 +372,8 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     except (UsageError, KeyboardInterrupt) as error:
         # Ctrl-C reaches every process of the terminal: the spawner says it, not each worker.
         sys.exit(exit_status(error, launch.rank_of(local_rank), local_rank, say_interrupted=False))
+    finally:
+        skip_final_collection()
 
 
 def launched_identity(environ: Mapping[str, str] = os.environ) -> Tuple[Optional[int], Optional[int]]:
