@@ -195,6 +195,9 @@ def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(
     assert labelled == {"ddp_apex O1": "bf16 emulated on this CPU (AVX2)",
                         "ddp_apex O2 channels_last": "bf16 emulated on this CPU (AVX2)"}
     assert all(row["images_per_second"] == 10.0 for row in measured)
+    next(row for row in measured if row["config"] == "ddp_apex O1")["images_per_second"] = 0.5  # 20x slower
+    assert "train: ddp_apex O1 over the reference loop: 0.05x (bf16 emulated on this CPU (AVX2): a slowdown to " \
+           "avoid, not a speed-up)" in bench.ratios(measured)
 
 
 def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):
