@@ -128,6 +128,13 @@ def newest_readable(run_dir: Path) -> Tuple[Optional[Path], List[str]]:
     a run directory of an older version, or a copy), and a warning for each
     newer one that does not. (None, []) when there is none at all;
     (None, warnings) when every one is unreadable."""
+    path, warnings, _ = _newest_loaded(run_dir)
+    return path, warnings
+
+
+def _newest_loaded(run_dir: Path) -> Tuple[Optional[Path], List[str], Optional[dict]]:
+    """newest_readable, with the state it loaded: --resume auto restores from
+    it instead of reading the file again (100 MB and more per restart)."""
     run_dir = Path(run_dir)
     newest = run_dir / CHECKPOINT_NAME
     candidates = kept_checkpoints(run_dir)
@@ -136,13 +143,13 @@ def newest_readable(run_dir: Path) -> Tuple[Optional[Path], List[str]]:
     warnings = []
     for path in candidates:
         try:
-            load(str(path))
+            state = load(str(path))
         except UsageError as error:
             also = f" ({newest})" if newest.is_file() and os.path.samefile(newest, path) and path != newest else ""
             warnings.append(f"{path}{also} " + str(error).split(f"{path} ", 1)[1])  # without "argument --resume: "
             continue
-        return path, warnings
-    return None, warnings
+        return path, warnings, state
+    return None, warnings, None
 
 
 _WRAPPER_NAMES = {"module", "_orig_mod"}  # what DataParallel / DDP and torch.compile insert in parameter names
@@ -204,16 +211,17 @@ class ResumePoint:
     path: Optional[str] = None  # the checkpoint resumed from
 
 
-def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Optional[str]:
+def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Tuple[Optional[str], Optional[dict]]:
     """The file --resume names; for `auto`, the primary's choice in the run
-    directory (on every process), or None to start from scratch."""
+    directory (on every process), or None to start from scratch. With it,
+    the state the primary loaded to choose it (None elsewhere)."""
     if cfg.resume != "auto":
-        return cfg.resume
-    choice = error = None
+        return cfg.resume, None
+    choice = error = state = None
     if ctx.is_primary:
         try:
             run_dir = Path(cfg.logdir) / auto_run_name(cfg)
-            path, warnings = newest_readable(run_dir) if run_dir.is_dir() else (None, [])
+            path, warnings, state = _newest_loaded(run_dir) if run_dir.is_dir() else (None, [], None)
             for warning in warnings if path is not None else []:
                 print(f"warning: {warning}; using the previous checkpoint {path}", file=sys.stderr, flush=True)
             if path is None and warnings:
@@ -228,7 +236,7 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Optional[str]:
     choice, error = broadcast_from_primary((choice, error), ctx)
     if error is not None:
         raise UsageError(error)
-    return choice
+    return choice, state
 
 
 # The options that make up the training recipe (not where the data or logs are, nor how processes meet).
@@ -253,10 +261,10 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
     names (or, with `auto`, the newest readable one of the run directory) and
     continue at its position. A checkpoint of another world size continues
     the same epoch with this run's global batch and LR, and says so."""
-    path = _choose_checkpoint(cfg, ctx, log)
+    path, state = _choose_checkpoint(cfg, ctx, log)
     if path is None:
         return ResumePoint(start_epoch=cfg.start_epoch)
-    state = load(path)
+    state = state if state is not None else load(path)  # --resume auto's primary has read it already
     load_model_weights(state, model, cfg.arch, classes, "--resume", path)
     if state.get("seed", cfg.seed) != cfg.seed:
         raise UsageError(f"argument --seed: {cfg.seed} is not the seed of {path} ({state['seed']}); an exact "

@@ -72,7 +72,8 @@ def kept_checkpoints(run_dir: Path) -> List[Path]:
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write to a temporary file beside `path`, flush it to disk, then rename it
-    over `path`: readers see the old file or the new one, never half of one."""
+    over `path`, and flush the rename: readers see the old file or the new
+    one, never half of one, and after a crash of the node, too."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
@@ -80,9 +81,28 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+        sync_directory(path.parent)
     finally:
         if temporary.exists():
             temporary.unlink()
+
+
+def sync_directory(folder: Path) -> None:
+    """Flush `folder`'s entries to disk, as databases do after a rename: the
+    file's own fsync does not cover its name, so a node that crashes right
+    after a save could come back with the name pointing at the old file, or
+    at none. A filesystem that cannot sync a directory (some network ones
+    refuse) keeps its renames as durable as it makes them."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def _link_atomically(source: Path, destination: Path) -> None:
@@ -96,6 +116,7 @@ def _link_atomically(source: Path, destination: Path) -> None:
             with open(source, "rb") as original:
                 atomic_write(temporary, lambda handle: shutil.copyfileobj(original, handle))
         os.replace(temporary, destination)
+        sync_directory(destination.parent)
     finally:
         if temporary.exists():
             temporary.unlink()

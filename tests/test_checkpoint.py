@@ -110,6 +110,27 @@ def test_failed_write_leaves_the_previous_checkpoint_intact(tmp_path):
                                                           rundir.CHECKPOINT_NAME]
 
 
+def test_a_save_flushes_the_renames_to_disk_after_making_them(tmp_path, monkeypatch):
+    """Issue 21: the file's fsync does not cover its new name; the directory's does."""
+    events = []
+    real_fsync, real_replace, real_link = os.fsync, os.replace, os.link
+
+    def fsync(descriptor):
+        target = os.readlink(f"/proc/self/fd/{descriptor}")
+        events.append(("fsync", "dir" if os.path.isdir(target) else "file"))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda *args: events.append(("rename",)) or real_replace(*args))
+    monkeypatch.setattr(os, "link", lambda *args: events.append(("link",)) or real_link(*args))
+    checkpoint.save({"state_dict": {}, "epoch": 1}, tmp_path, is_best=True)
+    renames = [index for index, event in enumerate(events) if event == ("rename",)]
+    assert renames, events
+    for index in renames:  # each name made is flushed by the directory's fsync right after
+        assert events[index + 1] == ("fsync", "dir"), events
+    assert events[0] == ("fsync", "file")  # the data itself, before its name
+
+
 def test_pytorch_examples_style_checkpoint_loads(tmp_path):
     # pytorch/examples saves DataParallel weights ('module.' prefix) and best_acc1 as a tensor.
     source = torchvision.models.resnet18(num_classes=5)
@@ -179,6 +200,26 @@ def test_a_checkpoint_of_another_world_size_says_what_changed_and_resumes_mid_ep
     with pytest.raises(UsageError, match=r"argument --seed: 7 is not the seed of .* \(0\).*pass --seed 0"):
         _resume(path, torch.nn.Linear(2, 3), torch.optim.SGD(model.parameters(), lr=0.1), "resnet18",
                 ["a", "b", "c"], extra=["--seed", "7"])
+
+
+def test_resume_auto_reads_the_checkpoint_it_chose_once(tmp_path, monkeypatch):
+    """Issue 21: choosing the newest readable file loads it; restoring reuses that state."""
+    model = torch.nn.Linear(2, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = checkpoint.training_state(
+        model=model, optimizer=sgd, precision_state={}, epoch=2, step=0, images_done=0, partial_epoch=None,
+        best_acc1=10.0, best_epoch=1, arch="resnet18", classes=["a", "b", "c"], config={}, world_size=1,
+        global_batch=256, lr=0.1, seed=0)
+    (tmp_path / "r").mkdir()
+    saved = checkpoint.save(state, tmp_path / "r", is_best=False)
+    reads = []
+    real_load = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda path, *args, **kwargs: reads.append(path) or real_load(
+        path, *args, **kwargs))
+    point = _resume("auto", torch.nn.Linear(2, 3), torch.optim.SGD(model.parameters(), lr=0.1), "resnet18",
+                    ["a", "b", "c"], extra=["--run-name", "r", "--logdir", str(tmp_path)])
+    assert point.start_epoch == 2 and point.path == str(saved)
+    assert len(reads) == 1, reads
 
 
 def test_wrapper_names_inside_keys_are_dropped():
