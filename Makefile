@@ -1,9 +1,11 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Each creates .venv from requirements.txt when it is missing (or older than requirements.txt).
+# Each creates .venv from requirements.txt when it is missing (or older than requirements.txt);
+# `make test` adds requirements-test.txt.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.requirements-installed
+TEST_INSTALLED := $(VENV)/.test-requirements-installed
 
 # `make test` skips the slow end-to-end tests (minutes each); CI (CI=true) and `make test-all` run them.
 ifeq ($(CI),true)
@@ -29,13 +31,18 @@ $(INSTALLED): requirements.txt
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	@touch $@
 
+# The tests' tools (pytest, hypothesis), on top of what training needs.
+$(TEST_INSTALLED): $(INSTALLED) requirements-test.txt
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-test.txt
+	@touch $@
+
 demo: $(INSTALLED)
 	PYTHON=$(PY) bash run_scripts/demo.sh
 
-test: $(INSTALLED)
+test: $(TEST_INSTALLED)
 	$(PY) -m pytest tests $(PYTEST_SELECT)
 
-test-all: $(INSTALLED)
+test-all: $(TEST_INSTALLED)
 	$(PY) -m pytest tests
 
 # `make bench`: the speed harness (README, "Speed"): ratios against the plain reference, a CSV in runs/bench/.

@@ -266,3 +266,29 @@ def test_every_link_between_the_pages_leads_somewhere():
             elif anchor and path.suffix == ".md" and anchor not in anchors(path):
                 broken.append(f"{page.relative_to(REPO)}: no heading #{anchor} in {path.relative_to(REPO)}")
     assert not broken, "\n" + "\n".join(broken)
+
+
+def requirement_names(path: Path) -> set:
+    """The package names a requirements file asks for (comments and version ranges left out)."""
+    names = set()
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.add(re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0].lower())
+    return names
+
+
+def test_training_needs_no_test_tools_and_make_test_installs_them(tmp_path):
+    """Issue 21: a cluster installing requirements.txt gets what training needs, not pytest."""
+    import subprocess
+
+    test_tools = {"pytest", "hypothesis"}
+    assert requirement_names(REPO / "requirements.txt") & test_tools == set()
+    assert test_tools <= requirement_names(REPO / "requirements-test.txt")
+    # What `make test` and `make demo` would run in a fresh checkout (-n: print, do not run).
+    def planned(target):
+        return subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout
+
+    assert "-r requirements.txt" in planned("test") and "-r requirements-test.txt" in planned("test")
+    assert "-r requirements.txt" in planned("demo") and "requirements-test.txt" not in planned("demo")
