@@ -128,3 +128,38 @@ def test_totals_are_summed_across_processes(tmp_path):
         confusion[true, predicted] += 1
     expected = repr(((15.0, 2, 4, 5, 4, 1027, 3), confusion.tolist()))
     assert (tmp_path / "rank0.txt").read_text() == (tmp_path / "rank1.txt").read_text() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(classes=st.integers(2, 9), batches=st.lists(st.integers(1, 12), min_size=1, max_size=4), seed=st.integers(0, 10**6))
+def test_per_class_report_equals_scikit_learns(classes, batches, seed):
+    """Issue 21: precision, recall, F1 per class, their macro averages and the
+    confusion matrix, counted batch by batch on the device, equal
+    scikit-learn's precision_recall_fscore_support and confusion_matrix, also
+    with classes that have no image or are never predicted."""
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    from common.distributed import single_process
+
+    generator = torch.Generator().manual_seed(seed)
+    sums = MetricSums(torch.device("cpu"), num_classes=classes)
+    targets, predictions = [], []
+    for size in batches:
+        # A random permutation per row: distinct logits, so top-1 has no ties to break.
+        logits = torch.stack([torch.randperm(classes, generator=generator) for _ in range(size)]).float()
+        target = torch.randint(0, classes, (size,), generator=generator)
+        sums.add(torch.tensor(1.0), logits, target)
+        targets += target.tolist()
+        predictions += logits.argmax(dim=1).tolist()
+    report = sums.class_report(single_process("cpu"))
+    labels = list(range(classes))
+    precision, recall, f1, support = precision_recall_fscore_support(targets, predictions, labels=labels,
+                                                                      zero_division=0)
+    assert np.allclose(report.precision, 100 * precision) and np.allclose(report.recall, 100 * recall)
+    assert np.allclose(report.f1, 100 * f1) and report.support.tolist() == support.tolist()
+    assert report.confusion.tolist() == confusion_matrix(targets, predictions, labels=labels).tolist()
+    present = sorted(set(targets))  # the macro averages are over the classes that have images
+    macro = precision_recall_fscore_support(targets, predictions, labels=present, average="macro", zero_division=0)
+    assert math.isclose(report.macro_f1, 100 * macro[2], rel_tol=1e-9)
+    assert math.isclose(report.macro(report.precision), 100 * macro[0], rel_tol=1e-9)
+    assert math.isclose(report.micro, 100 * np.mean(np.array(targets) == np.array(predictions)), rel_tol=1e-9)
