@@ -6,7 +6,7 @@ status 2). Bottom layer: imports nothing of common/ but errors.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, Optional
 
 from common.errors import UsageError
 
@@ -19,13 +19,13 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+def int_at_least(minimum: int, what: str, maximum: Optional[int] = None) -> Callable[[str], int]:
     def parse_int(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -34,6 +34,8 @@ def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 
 positive_int = int_at_least(1, "a positive integer")
 non_negative_int = int_at_least(0, "an integer >= 0")
+# NumPy's global seed (seeded with the others) takes 32 bits.
+seed_int = int_at_least(0, "an integer from 0 to 2**32 - 1 (4294967295)", maximum=2**32 - 1)
 
 
 def float_in(low: float, high: float, low_open: bool, high_open: bool, what: str) -> Callable[[str], float]:

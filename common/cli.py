@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 from common import launch
 from common.config import MODES, PREEMPT_SIGNALS, Config
 from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
-                              positive_int, unit_interval)
+                              positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, UsageError, error_summary, program, run_main
 from common.models import available_architectures, check_one_image_per_step
 
@@ -159,7 +159,7 @@ def _add_run_flags(group) -> None:
                             "or a fresh start when there is none yet: the same command serves every restart")
     group.add_argument("-e", "--evaluate", action="store_true",
                        help="only validate (the --resume checkpoint or the --pretrained weights) and exit")
-    group.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
+    group.add_argument("--seed", type=seed_int, default=0, metavar="S",
                        help="seed of initialisation, data order and augmentation")
     group.add_argument("--deterministic", action="store_true",
                        help="also make the GPU's arithmetic repeatable: deterministic cuDNN and cuBLAS "

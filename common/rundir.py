@@ -65,8 +65,9 @@ def position_of(path: Path) -> Optional[Tuple[int, int]]:
 
 
 def kept_checkpoints(run_dir: Path) -> List[Path]:
-    """The run directory's checkpoint-epoch*-images*.pth.tar files, newest first."""
-    found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None]
+    """The run directory's checkpoint-epoch*-images*.pth.tar files, newest first:
+    regular files only (opening a FIFO of that name would wait forever)."""
+    found = [path for path in Path(run_dir).iterdir() if position_of(path) is not None and path.is_file()]
     return sorted(found, key=position_of, reverse=True)
 
 

@@ -142,6 +142,7 @@ def test_unknown_flag(tmp_path):
     (["--report-dir", "reports"], "--report-dir"),  # only with --evaluate
     (["--io-interval", "-1"], "--io-interval"),
     (["--throughput-warmup-steps", "-1"], "--throughput-warmup-steps"),
+    (["--seed", str(2**32)], "--seed: expected an integer from 0 to"),  # NumPy's seed range (issue 21)
 ])
 def test_value_checks_name_the_flag(argv, fragment):
     with pytest.raises(UsageError, match=fragment.replace("-", r"\-")):

@@ -1,5 +1,6 @@
 """Checkpoints: atomic writes, safe loading, foreign formats."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,17 @@ def test_optimizer_state_that_does_not_fit_is_a_usage_error(tmp_path):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(UsageError, match=r"--resume: the optimizer state in .* does not fit"):
         _resume(path, model, sgd, "resnet18", ["a", "b", "c"])
+
+
+def test_resume_auto_passes_over_a_fifo_named_like_a_checkpoint(tmp_path):
+    """Issue 21: only regular files are candidates; opening a FIFO would wait for a writer forever."""
+    import threading
+
+    older = checkpoint.save({"state_dict": {}, "epoch": 1}, tmp_path, is_best=False)
+    os.mkfifo(tmp_path / "checkpoint-epoch009-images00000000.pth.tar")
+    found = []
+    worker = threading.Thread(target=lambda: found.append(checkpoint.newest_readable(tmp_path)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "newest_readable waits on the FIFO"
+    assert found == [(Path(older), [])]

@@ -94,7 +94,9 @@ def _plausible_values(action: argparse.Action):
         high = 120.0 if _accepts(action, "2.5") else 1.0
         options.append(st.floats(0.0, high).map(repr).filter(lambda text: _accepts(action, text)))
     elif _accepts(action, "3"):
-        options.append(st.integers(0, 120).map(str).filter(lambda text: _accepts(action, text)))
+        # Small values mostly; now and then any size, up to 2**64, where a range check must say no.
+        options.append(st.one_of(st.integers(0, 120), st.integers(0, 120), st.integers(0, 2**64))
+                       .map(str).filter(lambda text: _accepts(action, text)))
     return st.one_of(options) if options else None
 
 
@@ -233,6 +235,7 @@ def check_config(cfg, mode: str) -> None:
         assert 0 < cfg.dist_timeout < math.inf
     else:  # the distributed flags do not exist there: their defaults
         assert (cfg.dist_url, cfg.world_size, cfg.rank, cfg.nproc_per_node, cfg.local_rank) == (None,) * 5
+    assert 0 <= cfg.seed < 2**32  # NumPy's seed range: a larger one would end in a traceback at start
     if mode == "ddp_apex":
         assert cfg.loss_scale in (None, "dynamic") or 0 < cfg.loss_scale < math.inf
     else:
