@@ -49,14 +49,18 @@ class HalfSupport:
     def native(self, dtype_name: str) -> bool:
         return self.bf16_native if dtype_name == "bf16" else self.fp16_native
 
+    @property
+    def where(self) -> str:
+        """'CPU' or 'GPU', for messages."""
+        return "CPU" if self.device_type == "cpu" else "GPU"
+
     def emulation_warning(self, dtype_name: str, opt_level: str) -> Optional[str]:
         """One line for a run asked to train in `dtype_name` where it is
         emulated: the cause, the cost and the alternative; None where it is native."""
         if self.native(dtype_name):
             return None
-        where = "CPU" if self.device_type == "cpu" else "GPU"
         capped = f", capped by {self.capped_by}" if self.capped_by else ""
-        return (f"warning: {dtype_name} is emulated on this {where} ({self.capability}{capped}; native {dtype_name} "
+        return (f"warning: {dtype_name} is emulated on this {self.where} ({self.capability}{capped}; native {dtype_name} "
                 f"needs {_NEEDS[self.device_type, dtype_name]}): expect --opt-level {opt_level} to train much slower "
                 f"than fp32{_MEASURED_COST.get((self.device_type, dtype_name), '')}; --opt-level O0 trains in fp32 "
                 f"at full speed")

@@ -193,10 +193,10 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
     if opt_level == AUTO:
         if support.native(dtype_name):
             opt_level = "O2" if device.type == "cuda" else "O1"
-            chosen_because = f"{dtype_name} is native on this {_where(device)} ({support.capability})"
+            chosen_because = f"{dtype_name} is native on this {support.where} ({support.capability})"
         else:
             opt_level = "O0"
-            chosen_because = (f"{dtype_name} is emulated on this {_where(device)} ({support.capability}), slower "
+            chosen_because = (f"{dtype_name} is emulated on this {support.where} ({support.capability}), slower "
                               f"than fp32; --opt-level O1 would use it anyway")
     if opt_level == "O0":
         policy = FP32()
@@ -215,7 +215,3 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
     policy.chosen_because = chosen_because
     policy.warning = support.emulation_warning(dtype_name, opt_level)
     return policy
-
-
-def _where(device: torch.device) -> str:
-    return "GPU" if device.type == "cuda" else "CPU"

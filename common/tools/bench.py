@@ -120,11 +120,9 @@ def versions() -> Dict[str, object]:
     import torch
     import torchvision
 
-    from common import hardware
-
     cuda = torch.cuda.is_available()
     name = torch.cuda.get_device_name(0) if cuda else (_cpu_model() or platform.processor() or "CPU")
-    support = hardware.half_support(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    support = _half_support("cuda" if cuda else "cpu")
     return {"device_name": name, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "cuda": torch.version.cuda if cuda else "",
             "host": socket.gethostname(), "date": datetime.date.today().isoformat(),
@@ -370,18 +368,23 @@ def _asked_precision(flags: Sequence[str], device: str) -> str:
 def emulated_half(flags: Sequence[str], device: str) -> str:
     """'bf16 emulated on this CPU (AVX2)' where the configuration asks for a
     half type the device only emulates (common.hardware); '' otherwise."""
-    import torch
-
-    from common import hardware
-
     asked = _asked_precision(flags, device)
     if not asked:
         return ""
     dtype = asked.split()[1]
-    support = hardware.half_support(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
+    support = _half_support(device)
     if support.native(dtype):
         return ""
-    return f"{dtype} emulated on this {'GPU' if device == 'cuda' else 'CPU'} ({support.capability})"
+    return f"{dtype} emulated on this {support.where} ({support.capability})"
+
+
+def _half_support(device: str):
+    """common.hardware's answer for the harness's --device (cpu, or the first GPU)."""
+    import torch
+
+    from common import hardware
+
+    return hardware.half_support(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
 
 
 def input_section(settings: Settings, root: str) -> List[dict]:
