@@ -65,21 +65,47 @@ class Sample(NamedTuple):
     bad_reason: str = ""
 
 
-def _image_files(class_dir: Path) -> List[str]:
+class FolderOwners:
+    """Which class folder first reached each real folder, across the splits
+    scanned with it. A folder reached from two class folders (a symbolic link
+    to another class's or the other split's folder) puts the same files
+    under two labels, or validates on training images: said, not refused,
+    as some trees are built that way on purpose."""
+
+    def __init__(self):
+        self.owner: Dict[str, str] = {}  # real folder -> the class folder (as listed) that reached it first
+        self.shared: Dict[Tuple[str, str], str] = {}  # (first class folder, second one) -> one real folder of both
+
+    def claim(self, real_folder: str, class_dir: str) -> None:
+        first = self.owner.setdefault(real_folder, class_dir)
+        if first != class_dir:
+            self.shared.setdefault((first, class_dir), real_folder)
+
+    def warnings(self) -> List[str]:
+        return [f"warning: {second} reaches the same files as {first} ({real}, through a symbolic link): they count "
+                f"under both, so the same images have two labels, or are validated on after training on them"
+                for (first, second), real in self.shared.items()]
+
+
+def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None) -> List[str]:
     """Image files under a class folder (recursively, following symlinks),
     by extension, case-insensitive. Hidden files and folders, other
     extensions and anything that is not a regular file (a FIFO would block
     the reader forever) are ignored; a broken symlink is kept, so the
     --bad-images policy reports it. A folder that cannot be listed stops the
-    run, naming it: silently fewer images would be a different dataset."""
+    run, naming it: silently fewer images would be a different dataset.
+    `owners` notes which real folders this class folder reached."""
     found = []
     pending = [str(class_dir)]
     seen = set()  # real paths: a symlink back up the tree must not loop forever
     while pending:
         folder = pending.pop()
-        if os.path.realpath(folder) in seen:
+        real_folder = os.path.realpath(folder)
+        if real_folder in seen:
             continue
-        seen.add(os.path.realpath(folder))
+        seen.add(real_folder)
+        if owners is not None:
+            owners.claim(real_folder, str(class_dir))
         try:
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as error:
@@ -117,12 +143,13 @@ def _is_broken_link(entry: os.DirEntry) -> bool:
         return True
 
 
-def scan_split(split_dir: Path,
-               class_to_idx: Optional[Dict[str, int]] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
+def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
+               owners: Optional[FolderOwners] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
     """The classes and (path, class index) samples of one split folder.
 
     With `class_to_idx` (train's mapping, when scanning val/) every class
-    folder must be one of train's classes.
+    folder must be one of train's classes. `owners`, shared by the splits
+    of a dataset, notes folders reached from two class folders.
     """
     try:
         entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
@@ -140,7 +167,7 @@ def scan_split(split_dir: Path,
     for name in classes:
         if name not in class_to_idx:
             raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
-        files = _image_files(split_dir / name)
+        files = _image_files(split_dir / name, owners)
         if not files:
             raise UsageError(f"{split_dir / name}: class folder has no images "
                              f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
@@ -364,6 +391,7 @@ class Loaders:
     seed: int
     rank: int = 0
     backend: str = "torchvision"  # --data-backend
+    notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (engine.run)
 
     @property
     def num_classes(self) -> int:
@@ -394,21 +422,26 @@ class Loaders:
                 f"in {self.num_classes} classes")
 
 
-def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[str]]:
+def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[str], List[str]]:
+    """Training and validation sets, the class names, and what to tell the
+    user about the data before training (Loaders.notes)."""
     if cfg.synthetic:
         classes = [f"class{index:04d}" for index in range(SYNTHETIC_CLASSES)]
         train = SyntheticImages(IMAGENET_TRAIN_IMAGES, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed)
         val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * replicas
         val = SyntheticImages(val_length, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed + 1)
-        return train, val, classes
+        # A habit of copied command lines; silence would suggest DATA was trained on.
+        notes = [f"note: --synthetic: DATA {cfg.data} is not read; random images stand in for it"] if cfg.data else []
+        return train, val, classes, notes
     root = Path(cfg.data)
-    classes, train_samples = scan_split(root / "train")
-    _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)})
+    owners = FolderOwners()
+    classes, train_samples = scan_split(root / "train", owners=owners)
+    _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners)
     skip = cfg.bad_images == "skip"
     train = ImageFolderDataset(train_samples, pipeline(cfg, train=True), augmentation_seed=cfg.seed,
                                skip_bad_images=skip)
     val = ImageFolderDataset(val_samples, pipeline(cfg, train=False), skip_bad_images=skip)
-    return train, val, classes
+    return train, val, classes, owners.warnings()
 
 
 def pipeline(cfg: Config, train: bool) -> Callable:
@@ -427,7 +460,7 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     if cfg.data_backend == "gpu" and ctx.device.type != "cuda" and not cfg.synthetic:
         raise UsageError(f"argument --data-backend: gpu decodes JPEGs on a CUDA GPU; this run is on the "
                          f"{ctx.device.type.upper()} (use torchvision)")
-    train_set, val_set, classes = build_datasets(cfg, ctx.replicas)
+    train_set, val_set, classes, notes = build_datasets(cfg, ctx.replicas)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
@@ -447,4 +480,5 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
     )
-    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend)
+    return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
+                   notes=notes)

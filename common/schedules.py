@@ -13,12 +13,20 @@ from typing import Tuple
 
 from torch.optim import Optimizer
 
+from common.errors import UsageError
+
 REFERENCE_BATCH = 256  # --lr is the rate for this global batch (Goyal et al., 2017)
 
 
 def scaled_lr(lr_per_256: float, global_batch: int) -> float:
-    """The linear scaling rule: the rate grows in proportion to the global batch."""
-    return lr_per_256 * global_batch / REFERENCE_BATCH
+    """The linear scaling rule: the rate grows in proportion to the global batch.
+    A rate that overflows (--lr 1e308 on 512 images a step) would train on
+    inf and NaN weights until the first checkpoint refused them."""
+    lr = lr_per_256 * global_batch / REFERENCE_BATCH
+    if not math.isfinite(lr):
+        raise UsageError(f"argument --lr: {lr_per_256:g} scaled to the global batch of {global_batch} is {lr:g}, "
+                         f"not a usable rate")
+    return lr
 
 
 @dataclasses.dataclass(frozen=True)

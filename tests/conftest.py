@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def cpu_has_native_bf16() -> bool:
     from common import hardware
 
     return hardware.cpu_half_support().bf16_native
+
+
+def pytest_configure(config):
+    """Started with SIGINT ignored (nohup, a background job of a script), pytest would pass that on to
+    every launcher it starts, and the tests that interrupt one would wait for it forever."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -210,6 +210,37 @@ def test_synthetic_loaders_need_no_disk():
     assert images.shape == (8, 3, 16, 16) and target.tolist() == list(range(8))
 
 
+def test_synthetic_data_says_that_data_is_not_read(tmp_path):
+    args = ["-b", "8", "--image-size", "16", "--val-resize", "16", "-j", "0"]
+    ignored = build_loaders(parse("nd", ["--synthetic", str(tmp_path / "imagenet"), *args]), CPU)
+    assert ignored.notes == [f"note: --synthetic: DATA {tmp_path / 'imagenet'} is not read; random images stand "
+                             f"in for it"]
+    assert build_loaders(parse("nd", ["--synthetic", *args]), CPU).notes == []
+
+
+def test_a_class_folder_linked_to_another_class_or_split_is_named(tmp_path):
+    """train/class_1 -> ../val/class_1 trains on the validation images; train/class_2 -> class_0 gives
+    class_0's files two labels. Both are said once, naming both folders; the files still count under both."""
+    root = make_image_folder(tmp_path / "data", classes=3, train_per_class=2, val_per_class=1)
+    for name, target in (("class_1", root / "val" / "class_1"), ("class_2", root / "train" / "class_0")):
+        for path in (root / "train" / name).iterdir():
+            path.unlink()
+        (root / "train" / name).rmdir()
+        (root / "train" / name).symlink_to(target, target_is_directory=True)
+    loaders = build_loaders(parse("nd", [str(root), *FAST_ARGS, "-j", "0"]), CPU)
+    files = [(Path(path).resolve().parent.relative_to(root.resolve()).as_posix(), label)
+             for path, label in loaders.train.dataset.samples]
+    assert files == [("train/class_0", 0)] * 2 + [("val/class_1", 1)] + [("train/class_0", 2)] * 2
+    assert len(loaders.notes) == 2, loaders.notes
+    two_labels, leak = sorted(loaders.notes)
+    assert two_labels.startswith(f"warning: {root / 'train' / 'class_2'} reaches the same files as "
+                                 f"{root / 'train' / 'class_0'} ({(root / 'train' / 'class_0').resolve()}, ")
+    assert leak.startswith(f"warning: {root / 'val' / 'class_1'} reaches the same files as "
+                           f"{root / 'train' / 'class_1'} ({(root / 'val' / 'class_1').resolve()}, ")
+    assert build_loaders(parse("nd", [str(make_image_folder(tmp_path / "plain")), *FAST_ARGS, "-j", "0"]),
+                         CPU).notes == []
+
+
 def test_every_image_mode_becomes_rgb(tmp_path):
     paths = {}
     for mode in ("L", "RGBA", "CMYK", "P", "I;16"):

@@ -2,6 +2,7 @@
 one process with the global batch, every launcher gives the same run,
 validation is exact at any world size, wrong launches fail fast with one
 line, and no process outlives an interrupted or crashed job."""
+import contextlib
 import csv
 import json
 import os
@@ -384,10 +385,16 @@ def start_long_job():
 
 
 def wait_until_gone(job, tree, seconds):
+    """The processes of `tree` still running after `seconds`; those are then
+    killed, so that reading the job's output cannot wait for them forever."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and (job.poll() is None or any(map(running, tree))):
         time.sleep(0.1)
-    return [pid for pid in tree if running(pid)]
+    left = [pid for pid in tree if running(pid)]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -24,6 +25,45 @@ from common.tools import plots
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
+
+
+# A run's interpreter, however it was called (/opt/venv/bin/python3.11): shown as `python`.
+_PYTHON = re.compile(r"python[0-9.]*")
+# What a shell reads as one word without quotes (shlex.quote's set), and the ellipsis of an elided path.
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./…-]+")
+
+
+def portable_path(value: str) -> str:
+    """An absolute path as '…/<its last part>': where a run's files lay on its
+    machine (/tmp/job123/runs, /home/someone/imagenet) tells a reader nothing
+    and would publish machine paths; relative paths stay as typed."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        return value
+    name = Path(value).name
+    return f"…/{name}" if name else "…"
+
+
+def portable_command(command: str) -> str:
+    """A recorded command as a user would type it: the program by its name
+    (the interpreter as `python`), scripts by their name, absolute paths elided (portable_path),
+    --flag=/abs/path included."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not shell syntax (an older log): shown as recorded
+        return command
+    if words:  # the program: found on PATH by its name when typed
+        words[0] = "python" if _PYTHON.fullmatch(Path(words[0]).name) else Path(words[0]).name
+    shown = []
+    for word in words:
+        flag, equals, value = word.partition("=")
+        if word.endswith(".py") and word.startswith("/"):
+            word = Path(word).name  # the entry script, run from elsewhere
+        elif equals and flag.startswith("--"):
+            word = f"{flag}={portable_path(value)}"
+        else:
+            word = portable_path(word)
+        shown.append(word if _PLAIN_WORD.fullmatch(word) else shlex.quote(word))
+    return " ".join(shown)
 
 
 def number(value, digits: int = 2) -> str:
@@ -68,12 +108,13 @@ def run_section(run: plots.Run) -> str:
     epochs = run.epochs
     last_epoch, last_top1, last_top5 = plots.last_validation(run)
     images_per_second = plots.mean_images_per_second(run)
+    command = f"`{portable_command(config['command'])}`" if config.get("command") else "not recorded (no config.json)"
     lines = [f"## `{run.name}`", "",
-             f"- **Command:** `{config.get('command', 'not recorded (no config.json)')}`",
+             f"- **Command:** {command}",
              f"- **Started:** {config.get('started', '—')} at epoch {config.get('start_epoch', '—')}"]
     for resume in run.resumes:
         lines.append(f"- **Resumed:** {resume.get('started')} at epoch {resume.get('start_epoch')}: "
-                     f"`{resume.get('command')}`")
+                     f"`{portable_command(resume.get('command') or '')}`")
     lines += [
         f"- **Hardware:** {plots.count_label(run.replicas, run.device_kind)}; device {env['device']}; CPU "
         f"{env['cpu_model']} ({env['cpu_count']} cores); host {env['host']}; {env['world_size']} process(es), "
@@ -99,7 +140,9 @@ def run_section(run: plots.Run) -> str:
             else f"not reached (best val top-1 {best(run, 'val_top1')})"))
     if options:
         lines += ["", "<details><summary>All options</summary>", "",
-                  table(["option", "value"], [[key, f"`{setting}`"] for key, setting in options.items()]), "", "</details>"]
+                  table(["option", "value"],
+                        [[key, f"`{portable_path(setting)}`"] for key, setting in options.items()]),
+                  "", "</details>"]
     rows = [[epoch, number(row["train_loss"], 4), number(row["train_top1"]), number(row["val_loss"], 4),
              number(row["val_top1"]), number(row["val_top5"]), number(row["images_per_second"], 1),
              number(100 * row["data_wait_fraction"], 1)] for epoch, row in epochs.iterrows()]
@@ -157,7 +200,7 @@ def bench_section(paths: Sequence[str]) -> str:
         if not rows:
             continue
         first = rows[0]
-        parts += ["", f"### {first['device_name']}, {first['date']} (`{Path(path).as_posix()}`)", "",
+        parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
                   f"host `{first['host']}`; {_half_support(first)}.", "",
@@ -216,8 +259,9 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     runs = sorted((run for path in args.runs for run in load_runs(path)),
                   key=lambda run: (run.series, run.replicas, run.name))
     upstream = load_runs(args.upstream) if args.upstream else []
+    generated_by = portable_command(shlex.join(["python", "-m", "common.tools.results", *argv]))
     out = ["# Results", "",
-           f"Generated by `python -m common.tools.results {shlex.join(argv)}` from the runs' own logs (config.json, "
+           f"Generated by `{generated_by}` from the runs' own logs (config.json, "
            f"metrics.csv): every number below is read from them or derived by `common/tools/plots.py`. Regenerate, "
            f"do not edit. Epochs count from 0. Throughput is global training images/s, averaged over epochs.",
            "", "\n\n".join(run_section(run) for run in runs), "", "## Across runs", "", across_runs(runs)]
@@ -228,7 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     if upstream:
         out += ["", "## Upstream reference numbers, regenerated from its logs", "",
                 f"**The `{upstream[0].series.split(':')[0]}` rows are not this project's:** they are another "
-                f"project's 2020 run on NVIDIA V100 GPUs, read from its logs in `{args.upstream}` (TensorBoard "
+                f"project's 2020 run on NVIDIA V100 GPUs, read from its logs in `{portable_path(args.upstream)}` "
+                f"(TensorBoard "
                 f"exports; see the README there). The other rows are this project's runs above, side by side. "
                 f"Hardware differs between the groups: compare within a group. Training time of TensorBoard logs is "
                 f"(last - first end-of-epoch wall time) + one mean epoch, so the first epoch counts; a figure "
