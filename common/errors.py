@@ -21,6 +21,9 @@ PEER_LOST_EXIT_STATUS = 4  # a worker lost its connection to a peer that failed 
 # sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
 # writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
 STOPPED_EXIT_STATUS = 75
+# sysexits.h EX_IOERR: a checkpoint the run cannot end without (its last, or a stop's) could not be written
+# (a full disk); one line names the newest checkpoint on disk. Free some space, then --resume it.
+WRITE_FAILED_EXIT_STATUS = 74
 INTERRUPTED_EXIT_STATUS = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from common.config import Config
 from common.distributed import Context, select_device, use_device
 from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
-                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary, exit_status, program,
-                           skip_final_collection)
+                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, error_summary,
+                           exit_status, program, skip_final_collection)
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
@@ -263,22 +263,75 @@ def _silent_when_the_trainer_is_gone(kind, value, traceback) -> None:
 def _stderr_held_back():
     """Hold back what C++ code writes to stderr (file descriptor 2) meanwhile:
     c10d logs every failed connection attempt with a stack trace, which our
-    one-line error replaces. Call the yielded function to pass it on after all."""
+    one-line error replaces. Yields (replay, held): replay() passes it on after
+    all; held() is what it holds so far, for the error to quote what says why."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
+    with tempfile.TemporaryFile() as holder:
+        os.dup2(holder.fileno(), 2)
+
+        def held() -> bytes:
+            holder.seek(0)
+            return holder.read()
 
         def replay() -> None:
             os.dup2(saved, 2)
-            held.seek(0)
-            os.write(2, held.read())
+            os.write(2, held())
 
         try:
-            yield replay
+            yield replay, held
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# A line c10d logs (glog's format): "[W1125 14:32:37.461928954 TCPStore.cpp:340] [c10d] The client socket ...",
+# before PyTorch 2.4 "[W socket.cpp:601] [c10d] ..."; I(nfo), W(arning), E(rror) or F(atal) first. Stack frames
+# and "Exception raised from ..." lines are not.
+_GLOG_LINE = re.compile(r"^\[([IWEF])(?:\d{4} [\d:.]+)? [^\]]*\] (?:\[c10d[^\]]*\] )?(.*\S)\s*$")
+# What says why a connection failed: the system's error (errno 111 "Connection refused", 113 "No route to host",
+# 98 "Address already in use") or name resolution's ("gai error: -2 - Name or service not known").
+_CAUSE = re.compile(r"errno|gai error")
+JOIN_LOG_LINES = 3  # at most this many lines of c10d's log go into a failed join's one-line error
+
+
+def join_log_causes(log: str, summary: str) -> list:
+    """The lines of c10d's log, held back while joining, that add to the
+    exception's `summary`: its warnings and errors, and lines at any level that
+    quote an errno (with TORCH_CPP_LOG_LEVEL=INFO TORCH_DISTRIBUTED_DEBUG=DETAIL,
+    "Connection refused"); each message once (retries differ in numbers only),
+    none the summary already says, those with an errno first. Without glog's
+    prefix, 200 characters each."""
+    found: dict = {}
+    for line in log.splitlines():
+        match = _GLOG_LINE.match(line)
+        if not match:
+            continue
+        level, text = match.groups()
+        if (level == "I" and not _CAUSE.search(text)) or text in summary or summary in text:
+            continue
+        found.setdefault(re.sub(r"\d+", "#", text), text)
+    causes = sorted(found.values(), key=lambda text: _CAUSE.search(text) is None)  # stable: log order otherwise
+    return [text[:200] for text in causes[:JOIN_LOG_LINES]]
+
+
+def _join_failure(cfg: Config, launch: Launch, error: BaseException, log: bytes) -> str:
+    """The one line for a process that could not join: the exception, what c10d
+    logged about it meanwhile, and what to check."""
+    summary = error_summary(error)
+    causes = join_log_causes(log.decode(errors="replace"), summary)
+    said = summary
+    if causes:
+        said = f"{summary.rstrip('.')}; c10d logged: {'; '.join(cause.rstrip('.') for cause in causes)}"
+    if "address already in use" in said.lower():
+        # Fails at once, not after --dist-timeout: the address is right, another program holds the port.
+        flag = {"torchrun": "torchrun's --master-port or --rdzv-endpoint",
+                "torch.distributed.launch": "--master_port"}.get(launch.launcher, "--dist-url tcp://HOST:PORT")
+        return (f"could not join the process group of {launch.world_size} processes at {launch.init_method}: "
+                f"its port is in use on this node ({said}); choose a free one with {flag}")
+    return (f"could not join the process group of {launch.world_size} processes at {launch.init_method} "
+            f"within --dist-timeout {cfg.dist_timeout:g} s ({said}); check that every node runs "
+            f"with the same --dist-url and --world-size, its own --rank, and can reach node 0")
 
 
 class RendezvousError(UsageError):
@@ -305,8 +358,8 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.procs_per_node))
     backend = cfg.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
-    try:
-        with _stderr_held_back() as replay:
+    with _stderr_held_back() as (replay, held):
+        try:
             if launch.agent_store is not None:
                 # torchrun's agent hosts one store for all its restarts, at the same address: without a
                 # key prefix of their own, restarted workers can read the dead attempt's addresses and
@@ -318,12 +371,9 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
             else:
                 dist.init_process_group(backend, init_method=launch.init_method, rank=rank,
                                         world_size=launch.world_size, timeout=timeout)
-            replay()
-    except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
-        raise RendezvousError(
-            f"could not join the process group of {launch.world_size} processes at {launch.init_method} "
-            f"within --dist-timeout {cfg.dist_timeout:g} s ({error_summary(error)}); check that every node runs "
-            f"with the same --dist-url and --world-size, its own --rank, and can reach node 0") from None
+        except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
+            raise RendezvousError(_join_failure(cfg, launch, error, held())) from None
+        replay()
     control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
                    launcher=launch.launcher, control_group=control_group)
@@ -509,7 +559,8 @@ def _report_failure(workers, running) -> None:
     failed = _first_cause(_failures(ended))
     _stop([worker for worker, code in ended if code is None])
     code = failed.exitcode
-    if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS):  # a UsageError, or a NaN loss: the worker has said it
+    # A UsageError, a NaN loss, a checkpoint the run could not write: the worker has said it.
+    if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS):
         sys.exit(code)
     if code == INTERRUPTED_EXIT_STATUS:
         raise KeyboardInterrupt

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import shlex
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.launch import first_slurm_host, slurm_port
 from conftest import REPO, free_port, make_image_folder
@@ -68,7 +70,8 @@ def test_sbatch_file_asks_for_preemption_handling(path):
 
 # --- the Slurm batch files, with stand-ins for Slurm and torchrun ---
 
-RECORDED_ENV = ["PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "SRUN_CPUS_PER_TASK", "SLURM_NODEID"]
+RECORDED_ENV = ["PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                "SRUN_CPUS_PER_TASK", "SLURM_NODEID"]
 
 FAKE_SRUN = '''
 """Stand-in for srun: records its arguments. FAKE_SRUN_BARRIER: every step waits until all have
@@ -157,7 +160,8 @@ def fake_slurm(tmp_path):
 def slurm_environment(bin_dir: Path, calls: Path, **extra) -> dict:
     """The batch shell's environment on a 2-node job, with nothing inherited from a real Slurm job."""
     script_variables = {"SCRIPT", "DATA", "PYTHON", "LOGDIR", "GPUS_PER_NODE", "RUN_NAME", "PORT", "MAX_RESTARTS",
-                        "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "SRUN_CPUS_PER_TASK"}
+                        "PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "SRUN_CPUS_PER_TASK",
+                        "SIGNAL_WARNING_SECONDS", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PET_SHUTDOWN_TIMEOUT"}
     env = {name: value for name, value in os.environ.items()
            if not name.startswith("SLURM_") and name not in script_variables}
     env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_CALLS=str(calls),
@@ -202,7 +206,8 @@ def test_launch_per_node_starts_one_launcher_per_node_at_once(fake_slurm, tmp_pa
          f"--master_port={PORT}", *TRAINING_ARGS] for rank, host in enumerate(["gpu07", "gpu08"])]
     for step in steps:
         assert step["env"] == {"PET_SIGNALS_TO_HANDLE": SIGNALS_FOR_TORCHRUN,
-                               "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_FOR_TORCHRUN, "SRUN_CPUS_PER_TASK": "32"}
+                               "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_FOR_TORCHRUN,
+                               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "150", "SRUN_CPUS_PER_TASK": "32"}
     assert f"2 nodes (gpu07 gpu08) x 4 GPUs, imagenet_ddp_apex.py, nodes meet at gpu07:{PORT}" in result.stdout
 
 
@@ -232,7 +237,8 @@ def test_torchrun_runs_the_same_rendezvous_command_on_every_node(fake_slurm):
     assert [call["argv"] for call in started] == [torchrun, torchrun]
     assert [call["env"] for call in started] == [
         {"PET_SIGNALS_TO_HANDLE": SIGNALS_FOR_TORCHRUN, "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_FOR_TORCHRUN,
-         "SRUN_CPUS_PER_TASK": "32", "SLURM_NODEID": str(node)} for node in (0, 1)]
+         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "150", "SRUN_CPUS_PER_TASK": "32", "SLURM_NODEID": str(node)}
+        for node in (0, 1)]
 
 
 def test_torchrun_restarts_three_times_by_default(fake_slurm):
@@ -242,6 +248,32 @@ def test_torchrun_restarts_three_times_by_default(fake_slurm):
     argv = recorded(calls, "srun")[0]["argv"]
     assert argv[argv.index("--max-restarts") + 1] == "3"
 
+
+TORCHRUN_SBATCH_FILES = ["slurm_torchrun.sbatch", "slurm_launch_per_node.sbatch"]
+
+
+@pytest.mark.parametrize("name", TORCHRUN_SBATCH_FILES)
+@pytest.mark.parametrize("variables, seconds", [
+    ({}, "150"),  # the file's own --signal=USR1@180, less 30 s for torchrun and srun to end
+    ({"SIGNAL_WARNING_SECONDS": 600}, "570"),  # sbatch --signal=USR1@600
+    ({"SIGNAL_WARNING_SECONDS": 40}, "20"),  # a short warning: half of it
+])
+def test_torchrun_waits_for_its_workers_until_shortly_before_slurms_kill(fake_slurm, name, variables, seconds):
+    bin_dir, calls = fake_slurm
+    result = run_batch_file(name, slurm_environment(bin_dir, calls, **variables))
+    assert result.returncode == 0, result.stderr
+    started = recorded(calls, "srun")  # srun passes its environment on to the torchrun it starts
+    assert started and all(call["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == seconds for call in started)
+    # An environment variable, not torchrun's --shutdown-timeout: a torchrun without it would refuse the flag.
+    assert not any("shutdown" in argument for call in started for argument in call["argv"])
+
+
+@pytest.mark.parametrize("name", TORCHRUN_SBATCH_FILES)
+def test_the_warning_time_default_is_the_one_sbatch_is_asked_for(name):
+    text = (RUN_SCRIPTS / name).read_text()
+    asked = re.search(r"^#SBATCH --signal=USR1@(\d+)\b", text, re.MULTILINE).group(1)
+    default = re.search(r"^SIGNAL_WARNING_SECONDS=\$\{SIGNAL_WARNING_SECONDS:-(\d+)\}", text, re.MULTILINE).group(1)
+    assert default == asked == "180"
 
 def test_srun_per_gpu_starts_one_task_per_gpu(fake_slurm):
     bin_dir, calls = fake_slurm
@@ -315,6 +347,106 @@ def test_srun_per_gpu_trains_for_real(fake_slurm, tmp_path):
     assert epoch_rows(run_dir) == [("0", "train", "16", "2"), ("0", "val", "9", "2")]  # 2 steps x 4 x 2 processes; 5 + 4 val images
     environment = json.loads((run_dir / "config.json").read_text())["environment"]
     assert (environment["launcher"], environment["world_size"]) == ("slurm", 2)
+
+
+
+# The training script under torchrun in the test below: imagenet_ddp.py itself, with two test hooks
+# from outside (none in the product). After its first optimizer step it sends SIGUSR1 to its parent,
+# torchrun, as Slurm's warning would (torchrun passes it back to it); each checkpoint write sleeps
+# SLOW_SAVE_SECONDS between writing the temporary file and renaming it, as a slow shared file system
+# would. It notes when that write began and the status it exits with.
+SLOW_SAVER = '''
+import os, runpy, signal, sys, time
+from pathlib import Path
+
+repo, notes = Path(os.environ["TEST_REPO"]), Path(os.environ["TEST_NOTES"])
+sys.path.insert(0, str(repo))
+import torch
+from common import rundir
+
+atomic_write = rundir.atomic_write
+
+
+def slow_atomic_write(path, write):
+    def write_slowly(handle):
+        write(handle)
+        if path.name.endswith(".pth.tar"):
+            (notes / "save-began").touch()
+            time.sleep(float(os.environ["SLOW_SAVE_SECONDS"]))
+    atomic_write(path, write_slowly)
+
+
+rundir.atomic_write = slow_atomic_write
+step = torch.optim.SGD.step
+
+
+def step_then_warn(self, *args, **kwargs):
+    result = step(self, *args, **kwargs)
+    if not (notes / "signalled").exists():
+        (notes / "signalled").touch()
+        os.kill(os.getppid(), signal.SIGUSR1)
+    return result
+
+
+torch.optim.SGD.step = step_then_warn
+sys.argv[0] = str(repo / "imagenet_ddp.py")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exit:
+    (notes / "exit-status").write_text(str(exit.code))
+    raise
+'''
+SLOW_SAVE_SECONDS = 6
+# 6 steps an epoch (24 images, 4 a step, 1 process): the signal after step 1 stops it within epoch 0.
+STOPPABLE_TRAINING = [*TINY_TRAINING[:TINY_TRAINING.index("--epochs")], "--epochs", "2", "--checkpoint-every", "0"]
+
+
+def stop_with_a_slow_checkpoint(fake_slurm, folder: Path, data: Path, **variables) -> tuple:
+    """Run slurm_torchrun.sbatch (1 node, 1 CPU process, a real torchrun) with the slow saver as its
+    script; returns (batch file's result, its output, run directory, notes folder, requeue calls)."""
+    bin_dir, calls = fake_slurm
+    if not (bin_dir / "torchrun").is_symlink():
+        (bin_dir / "torchrun").unlink()
+        (bin_dir / "torchrun").symlink_to(Path(sys.executable).parent / "torchrun")
+    folder.mkdir()
+    wrapper, notes = folder / "slow_saver.py", folder / "notes"
+    wrapper.write_text(SLOW_SAVER)
+    notes.mkdir()
+    job_id = free_port(10000, 30000) - 10000 + 3 * 20000  # its derived port is free here
+    env = slurm_environment(bin_dir, calls, FAKE_SRUN_EXEC=1, SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="localhost",
+                            SLURM_JOB_NUM_NODES=1, SLURM_NNODES=1, GPUS_PER_NODE=1, SCRIPT=wrapper, DATA=data,
+                            LOGDIR=folder / "runs", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=1, TEST_REPO=REPO,
+                            TEST_NOTES=notes, SLOW_SAVE_SECONDS=SLOW_SAVE_SECONDS, **variables)
+    result = run_batch_file("slurm_torchrun.sbatch", env, *STOPPABLE_TRAINING)
+    output = result.stdout + result.stderr
+    requeues = [call["argv"][1:] for call in recorded(calls, "scontrol")
+                if call["argv"][1] == "requeue" and call["argv"][2] == str(job_id)]
+    assert (notes / "signalled").exists() and (notes / "save-began").exists(), output
+    return result, output, folder / "runs" / f"slurm-{job_id}", notes, requeues
+
+
+@pytest.mark.slow
+def test_torchrun_gives_a_slow_checkpoint_the_warning_time(fake_slurm, tmp_path):
+    """slurm_torchrun.sbatch under a real torchrun on the CPU: SIGUSR1 reaches the training process,
+    whose checkpoint takes SLOW_SAVE_SECONDS to write. With a 4 s warning (SIGNAL_WARNING_SECONDS=4)
+    torchrun kills it 2 s after passing the signal on, in the middle of the write: the batch file's
+    setting reaches torchrun, whose own default is 30 s. With the default 180 s warning torchrun
+    waits 150 s: the checkpoint is written whole, the job requeued, and the process exits with 75."""
+    data = make_image_folder(tmp_path / "data")
+
+    result, output, run_dir, notes, requeues = stop_with_a_slow_checkpoint(
+        fake_slurm, tmp_path / "short", data, SIGNAL_WARNING_SECONDS=4)
+    assert not (notes / "exit-status").exists(), output  # killed: no exit of its own
+    assert not (run_dir / "checkpoint.pth.tar").exists() and not list(run_dir.glob("checkpoint-*")), output
+    assert requeues == [] and result.returncode != 0
+
+    result, output, run_dir, notes, requeues = stop_with_a_slow_checkpoint(fake_slurm, tmp_path / "default", data)
+    assert (notes / "exit-status").read_text() == "75", output  # stopped with its checkpoint: run again
+    stop = re.search(r"stopping at epoch 0 step (\d+)/6 on SIGUSR1", output)
+    state = torch.load(run_dir / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    assert stop and (state["epoch"], state["step"]) == (0, int(stop.group(1))), output
+    assert requeues == [["requeue", run_dir.name.removeprefix("slurm-")]]
+    assert result.returncode == 1  # torchrun's own status after passing a signal on (docs/faults.md)
 
 
 # --- launch_nodes.py: printing ---
