@@ -29,7 +29,9 @@ import random
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import PIL
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
@@ -37,8 +39,8 @@ from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.launch import data_loader_worker_init
-from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, PILImages, TensorImages, stack_images,
-                              train_transform, val_transform)
+from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, JpegDecoder, PILImages, TensorImages,
+                              choose_jpeg_decoder, stack_images, train_transform, val_transform)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
@@ -63,6 +65,9 @@ class Sample(NamedTuple):
     # it could not be read; -1 and "" for a sample that is itself.
     bad_index: int = -1
     bad_reason: str = ""
+    # This image's dataset index when it is above Pillow's decompression-bomb limit (pipelines.large_pixels):
+    # counted and one named by the training loop (BadImages), instead of Pillow's anonymous warning.
+    large_index: int = -1
 
 
 class FolderOwners:
@@ -209,16 +214,17 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         path, target = self.samples[index]
-        bad_index, bad_reason = -1, ""
+        bad_index, bad_reason, large_index = -1, "", -1
         try:
-            image, file_bytes = self._load(index, path)
+            image, file_bytes, large_pixels = self._load(index, path)
+            large_index = index if large_pixels else -1
         except BadImageError as error:
             if not self.skip_bad_images:
                 raise
             self.known_bad.add(index)
             bad_index, bad_reason = index, error.reason
             image, target, file_bytes = self._next_readable(index)
-        return Sample(image, target, file_bytes, bad_index, bad_reason)
+        return Sample(image, target, file_bytes, bad_index, bad_reason, large_index)
 
     def _load(self, index: int, path: str):
         """`path` through the pipeline, with the random draws of image `index`."""
@@ -240,7 +246,7 @@ class ImageFolderDataset(Dataset):
                 continue
             path, target = self.samples[candidate]
             try:
-                image, file_bytes = self._load(index, path)  # the unreadable index's crop and flip
+                image, file_bytes, _ = self._load(index, path)  # the unreadable index's crop and flip
             except BadImageError:
                 self.known_bad.add(candidate)
                 continue
@@ -265,11 +271,36 @@ def collate(samples: List[Sample]) -> Sample:
 class BadImages:
     """The unreadable images one process met in one split (--bad-images
     skip), from the batches' markers: counted per batch on the host (the
-    markers are CPU tensors, so no device sync), listed with their reasons."""
+    markers are CPU tensors, so no device sync), listed with their reasons.
+    Likewise the images above Pillow's decompression-bomb limit: counted, one named."""
 
     def __init__(self, dataset: Dataset):
         self.samples = getattr(dataset, "samples", None)
         self.reasons: Dict[str, str] = {}
+        self.large_example: Optional[str] = None  # the first image above the limit this process met
+
+    def count_large(self, batch: Sample) -> int:
+        """How many images of `batch` are above Pillow's decompression-bomb limit."""
+        if self.samples is None or int(batch.large_index.max()) < 0:
+            return 0
+        marked = [index for index in batch.large_index.tolist() if index >= 0]
+        self.large_example = self.large_example or self.samples[marked[0]][0]
+        return len(marked)
+
+    def large_note(self, ctx: Context, count: int, where: str) -> Optional[str]:
+        """The line that counts the images above the limit and names one, on
+        the primary (None elsewhere). `count`: those met by all processes
+        (summed, so the same on each): only when there are some is this a
+        collective, on all of them alike, as gathered. `where`: "train epoch 0"."""
+        if not count:
+            return None
+        examples = [path for path in gather_to_primary(self.large_example, ctx) if path]
+        if not ctx.is_primary:
+            return None
+        example = f", e.g. {examples[0]}" if examples else ""  # none after a resume past them all
+        return (f"note: {count} image(s) of {where} above Pillow's decompression-bomb limit of "
+                f"{Image.MAX_IMAGE_PIXELS:,} pixels (PIL.Image.MAX_IMAGE_PIXELS){example}: decoded anyway, each "
+                f"slowly and with much memory; said once")
 
     def count(self, batch: Sample) -> int:
         """How many samples of `batch` stand in for unreadable files (noting which)."""
@@ -391,6 +422,7 @@ class Loaders:
     seed: int
     rank: int = 0
     backend: str = "torchvision"  # --data-backend
+    jpeg_decoder: Optional[JpegDecoder] = None  # None: synthetic data
     notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (engine.run)
 
     @property
@@ -422,9 +454,10 @@ class Loaders:
                 f"in {self.num_classes} classes")
 
 
-def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[str], List[str]]:
+def build_datasets(cfg: Config, replicas: int,
+                   decoder: Optional[JpegDecoder] = None) -> Tuple[Dataset, Dataset, List[str], List[str]]:
     """Training and validation sets, the class names, and what to tell the
-    user about the data before training (Loaders.notes)."""
+    user about the data before training (Loaders.notes). `decoder`: see jpeg_decoder."""
     if cfg.synthetic:
         classes = [f"class{index:04d}" for index in range(SYNTHETIC_CLASSES)]
         train = SyntheticImages(IMAGENET_TRAIN_IMAGES, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed)
@@ -438,19 +471,31 @@ def build_datasets(cfg: Config, replicas: int) -> Tuple[Dataset, Dataset, List[s
     classes, train_samples = scan_split(root / "train", owners=owners)
     _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners)
     skip = cfg.bad_images == "skip"
-    train = ImageFolderDataset(train_samples, pipeline(cfg, train=True), augmentation_seed=cfg.seed,
+    train = ImageFolderDataset(train_samples, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
                                skip_bad_images=skip)
-    val = ImageFolderDataset(val_samples, pipeline(cfg, train=False), skip_bad_images=skip)
+    val = ImageFolderDataset(val_samples, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip)
     return train, val, classes, owners.warnings()
 
 
-def pipeline(cfg: Config, train: bool) -> Callable:
-    """Path -> (image, bytes read), as --data-backend says (see common.pipelines)."""
+def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) -> Callable:
+    """Path -> pipelines.Loaded (image, bytes read, ...), as --data-backend
+    says (see common.pipelines); `decoder`: the run's (jpeg_decoder)."""
     if cfg.data_backend == "pil":
         return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip) if train else
                          val_transform(cfg.image_size, cfg.val_resize))
     kind = EncodedImages if cfg.data_backend == "gpu" else TensorImages
-    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize)
+    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder)
+
+
+def jpeg_decoder(cfg: Config) -> Optional[JpegDecoder]:
+    """Which library decodes the run's JPEGs, chosen once for both splits
+    and all data-loading workers (pipelines.choose_jpeg_decoder); Pillow's
+    for --data-backend pil, None for synthetic data."""
+    if cfg.synthetic:
+        return None
+    if cfg.data_backend == "pil":
+        return JpegDecoder("pillow", PIL.__version__)  # the reference: Pillow all the way
+    return choose_jpeg_decoder()
 
 
 def build_loaders(cfg: Config, ctx: Context) -> Loaders:
@@ -460,7 +505,8 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     if cfg.data_backend == "gpu" and ctx.device.type != "cuda" and not cfg.synthetic:
         raise UsageError(f"argument --data-backend: gpu decodes JPEGs on a CUDA GPU; this run is on the "
                          f"{ctx.device.type.upper()} (use torchvision)")
-    train_set, val_set, classes, notes = build_datasets(cfg, ctx.replicas)
+    decoder = jpeg_decoder(cfg)
+    train_set, val_set, classes, notes = build_datasets(cfg, ctx.replicas, decoder)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
@@ -481,4 +527,4 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
     )
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
-                   notes=notes)
+                   notes=notes, jpeg_decoder=decoder)

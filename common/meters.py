@@ -58,6 +58,7 @@ class MetricSums:
         self.timed_count = 0
         self.file_bytes = 0
         self.bad_images = 0
+        self.large_images = 0
         self.num_classes = num_classes
         self.class_counts = torch.zeros(3, num_classes, dtype=torch.int64, device=device) if num_classes else None
         keep_matrix = 0 < num_classes <= self.CONFUSION_MAX_CLASSES
@@ -65,7 +66,7 @@ class MetricSums:
         self.confusion = torch.zeros(num_classes ** 2, dtype=torch.int64, device=device) if keep_matrix else None
 
     def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, *, file_bytes: int = 0,
-            bad_images: int = 0, timed: bool = True) -> None:
+            bad_images: int = 0, large_images: int = 0, timed: bool = True) -> None:
         """Add one batch: `loss_mean` is the criterion's mean over the batch;
         `timed`: the batch counts for throughput (it is past the warm-up);
         `bad_images`: unreadable files met in it (see data.BadImages)."""
@@ -76,7 +77,7 @@ class MetricSums:
         self.sums[self.TOP1:self.COUNT] += _hits(top, target, (1, 5), logits.size(1))
         self.sums[self.COUNT] += count
         self.timed_count += count if timed else 0
-        self.add_files(file_bytes, bad_images)
+        self.add_files(file_bytes, bad_images, large_images)
         if self.class_counts is not None:
             predicted = top[:, 0]
             ones = torch.ones_like(target)
@@ -86,22 +87,24 @@ class MetricSums:
             if self.confusion is not None:
                 self.confusion.scatter_add_(0, target * self.num_classes + predicted, ones)
 
-    def add_files(self, file_bytes: int = 0, bad_images: int = 0) -> None:
+    def add_files(self, file_bytes: int = 0, bad_images: int = 0, large_images: int = 0) -> None:
         """Count a batch's reads, also of one that adds nothing else (a skipped step)."""
         self.file_bytes += file_bytes
         self.bad_images += bad_images
+        self.large_images += large_images
 
     def totals(self, ctx: Optional[Context] = None) -> "MetricTotals":
         """The sums as Python numbers; with `ctx`, summed over all processes
         first (a collective: every process must call it)."""
-        host = torch.tensor([self.timed_count, self.file_bytes, self.bad_images], dtype=torch.float64,
-                            device=self.sums.device)
+        host = torch.tensor([self.timed_count, self.file_bytes, self.bad_images, self.large_images],
+                            dtype=torch.float64, device=self.sums.device)
         sums = torch.cat([self.sums, host])  # one reduction for all: float64 counts bytes exactly up to 2**53
         if ctx is not None:
             all_reduce_sum(sums, ctx)
-        loss_sum, top1, top5, count, timed_count, file_bytes, bad_images = sums.tolist()
+        loss_sum, top1, top5, count, timed_count, file_bytes, bad_images, large_images = sums.tolist()
         return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count),
-                            timed_count=int(timed_count), file_bytes=int(file_bytes), bad_images=int(bad_images))
+                            timed_count=int(timed_count), file_bytes=int(file_bytes), bad_images=int(bad_images),
+                            large_images=int(large_images))
 
     def class_report(self, ctx: Context) -> "ClassReport":
         """The per-class report over all processes (a collective; needs num_classes)."""
@@ -123,6 +126,7 @@ class MetricTotals:
     timed_count: int = 0  # images after the warm-up steps
     file_bytes: int = 0  # read from image files
     bad_images: int = 0  # samples standing in for unreadable image files (--bad-images skip)
+    large_images: int = 0  # images above Pillow's decompression-bomb limit (data.BadImages.count_large)
 
     @property
     def loss(self) -> float:

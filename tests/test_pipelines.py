@@ -48,9 +48,9 @@ def gray_levels(reference: torch.Tensor, fast_uint8: torch.Tensor) -> torch.Tens
 
 def both(path: str, reference, fast, seed: int):
     torch.manual_seed(seed)
-    expected, expected_bytes = reference(path)
+    expected, expected_bytes, _ = reference(path)
     torch.manual_seed(seed)
-    got, got_bytes = fast(path)
+    got, got_bytes, _ = fast(path)
     assert got.dtype == torch.uint8 and got_bytes == expected_bytes == Path(path).stat().st_size
     return expected, got
 
@@ -108,7 +108,7 @@ def test_the_gpu_backend_decodes_in_the_main_process_to_the_same_images(jpegs):
     samples, expected = [], []
     for seed, path in enumerate(jpegs):
         torch.manual_seed(seed)
-        encoded, file_bytes = encoder(path)
+        encoded, file_bytes, _ = encoder(path)
         samples.append(data.Sample(encoded, 0, file_bytes))
         torch.manual_seed(seed)
         expected.append(fast(path)[0])
@@ -280,14 +280,15 @@ def test_a_batch_the_device_decoder_refuses_is_decoded_file_by_file_with_a_warni
     Image.fromarray(np.full((16, 24, 3), 200, np.uint8)).save(buffer, format="JPEG")
     good, bad = buffer.getvalue(), b"\xff\xd8\xff\xe0" + bytes(200)
     files = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in (good, good)]
+    decoder = pipelines.choose_jpeg_decoder()
     with warnings.catch_warnings():
         warnings.simplefilter("error", pipelines.GPUDecodeFallback)
-        decoded = pipelines._decode_on(torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+        decoded = pipelines._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
     assert [tuple(image.shape) for image in decoded] == [(3, 16, 24)] * 2
     files[1] = torch.frombuffer(bytearray(bad), dtype=torch.uint8)
     with pytest.warns(pipelines.GPUDecodeFallback, match="refused a batch"), \
             pytest.raises(pipelines.BadImageError, match=r"^b\.jpg: cannot decode image .*too late for --bad-images"):
-        pipelines._decode_on(torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+        pipelines._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
 
 
 def _jpeg(mode: str, size=(37, 23), **options) -> bytes:
@@ -310,7 +311,7 @@ JPEG_VARIANTS = {
 def test_the_jpeg_header_is_read_as_pillow_reads_it(variant):
     encoded = JPEG_VARIANTS[variant]
     with Image.open(io.BytesIO(encoded)) as image:
-        assert pipelines.jpeg_header(encoded) == (*image.size, image.mode)
+        assert pipelines.jpeg_header(encoded) == (*image.size, image.mode, "exif" in image.info)
     # A fill byte before a marker is allowed; bytes that are no marker end the walk.
     assert pipelines.jpeg_header(encoded[:2] + b"\xff" + encoded[2:]) == pipelines.jpeg_header(encoded)
     assert pipelines.jpeg_header(encoded[:2] + b"\x00" + encoded[2:]) is None
@@ -326,6 +327,6 @@ def test_the_jpeg_header_of_any_truncated_or_damaged_file_is_the_header_or_none(
     header = pipelines.jpeg_header(whole[:cut] + tail)
     frame = whole.index(b"\xff\xc0")  # the frame header ends 10 bytes after its marker
     if cut >= frame + 10:
-        assert header == (37, 23, "RGB")
+        assert header == (37, 23, "RGB", True)
     else:
         assert header is None or header[2] in ("L", "RGB", "CMYK")
