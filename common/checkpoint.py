@@ -8,17 +8,23 @@ training split's sums and times so far (so the epoch's metrics row counts
 every step once), best top-1, seed, world size, global batch and LR, RNG
 states, class names and the run's options. The Checkpointer writes them
 for a run and keeps track of the best epoch and the newest file; where the
-files go, their names and which are kept is common.rundir's. Loading uses
+files go, their names and which are kept is common.rundir's. Loading checks the
+file first (a format torch.save writes; for its zip archive, every record's
+CRC-32, which torch.load leaves unchecked), then uses
 torch.load(weights_only=True): a checkpoint cannot run code; --resume auto
 checks each file and falls back to the previous one when the newest cannot
-be read.
+be read or is damaged.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import random
+import re
 import sys
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -110,13 +116,90 @@ def save(state: dict, run_dir: Path, is_best: bool, keep: int = 3) -> Path:
                                  lambda handle: torch.save(state, handle), is_best, keep)
 
 
-def load(path: str, flag: str = "--resume") -> dict:
-    """Read a checkpoint without executing code; a foreign or damaged file is
-    a UsageError naming `flag` and the path."""
+# How the files torch.save writes begin: a zip archive (PyTorch 1.6 and later), or, before, the
+# pickled magic number of torch.serialization (MAGIC_NUMBER, pickle protocol 2).
+_ZIP_HEAD = b"PK\x03\x04"
+_LEGACY_HEAD = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+_NOT_PYTORCH = "is not a PyTorch checkpoint"
+_DAMAGED = "is not a readable checkpoint (damaged: "
+
+
+def _sentence(text: str, limit: int = 160) -> str:
+    """The first sentence of a message's first line, whole, or cut at a word
+    and marked so: a quoted reason never ends mid-word."""
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    sentence = re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0].rstrip(".")
+    return sentence if len(sentence) <= limit else sentence[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _foreign_kind(head: bytes) -> str:
+    if head.startswith(b"\x80"):
+        return "a plain pickle, not the zip archive torch.save writes"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # damaged zip, truncated file, pickle with code: all unreadable to us
-        raise UsageError(f"argument {flag}: {path} is not a readable checkpoint ({error_summary(error)})") from None
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(head) - 3:  # not just a character cut by the end of what was read
+            return "not the zip archive torch.save writes"
+    return "text, not the zip archive torch.save writes"
+
+
+def _container_problem(path: str) -> Optional[str]:
+    """What makes `path` other than an intact file of torch.save, told
+    before anything is unpickled; None when it is one. The zip archive
+    torch.save writes holds a CRC-32 of each record (data.pkl and every
+    tensor's bytes), and torch.load checks none of them: a flipped bit in a
+    tensor loads silently. Checking them reads the file once more: 0.06 s for
+    100 MB from the page cache, against 0.31 s for torch.load itself
+    (measured on 2 cores). The format before PyTorch 1.6 has no checksums."""
+    with open(path, "rb") as handle:
+        head = handle.read(512)
+        if not head:
+            return _DAMAGED + "the file is empty)"
+        if head.startswith(_LEGACY_HEAD):
+            return None
+        if not head.startswith(_ZIP_HEAD):
+            return f"{_NOT_PYTORCH} ({_foreign_kind(head)})"
+        handle.seek(0)
+        try:
+            with zipfile.ZipFile(handle) as archive:
+                if not any(name.rsplit("/", 1)[-1] == "data.pkl" for name in archive.namelist()):
+                    return f"{_NOT_PYTORCH} (a zip archive without the data.pkl torch.save writes)"
+                failed = archive.testzip()
+        except zipfile.BadZipFile as error:
+            if "not a zip file" in str(error):  # its directory, at the end of the file, is missing
+                return _DAMAGED + "cut short, its zip directory is missing)"
+            return _DAMAGED + f"{_sentence(str(error))})"
+        except (EOFError, ValueError, NotImplementedError, RuntimeError) as error:  # zipfile's other refusals
+            return _DAMAGED + f"{_sentence(str(error)) or type(error).__name__})"
+    if failed is not None:
+        record = failed.split("/", 1)[-1]  # inside the archive's one folder: data.pkl, or data/<n>, a tensor's
+        return _DAMAGED + f"the bytes of {record} fail their CRC-32 check)"
+    return None
+
+
+def load(path: str, flag: str = "--resume") -> dict:
+    """Read a checkpoint without executing code, after checking it is an
+    intact file of torch.save (_container_problem); a foreign, damaged or
+    code-holding file is a UsageError naming `flag` and the path."""
+    try:
+        problem = _container_problem(path)
+    except OSError as error:
+        raise UsageError(f"argument {flag}: {path} is not a readable checkpoint ({error.strerror})") from None
+    if problem is not None:
+        raise UsageError(f"argument {flag}: {path} {problem}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, meant for its own developers
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a pickle with code, or damage the checksums did not cover: unreadable to us
+        # torch's own text advises loading the file unsafely: quote the refused callable, or the cause.
+        refused = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if refused:
+            raise UsageError(f"argument {flag}: {path} holds code ({refused.group(1)}, which loading it would "
+                             f"call); refused") from None
+        cause = error.__context__ if isinstance(error, pickle.UnpicklingError) and error.__context__ else error
+        raise UsageError(f"argument {flag}: {path} {_DAMAGED}{_sentence(str(cause)) or type(cause).__name__})") \
+            from None
     if not isinstance(state, dict) or "state_dict" not in state:
         raise UsageError(f"argument {flag}: {path} is not a training checkpoint (it has no 'state_dict')")
     return state

@@ -22,7 +22,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,8 +33,9 @@ from common import checkpoint, measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint, RunFacts
 from common.config import Config
 from common.data import BadImages, Loaders, derived_seed
-from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
-from common.errors import NONFINITE_EXIT_STATUS
+from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
+                                broadcast_from_primary)
+from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.pipelines import DeviceInput
@@ -97,13 +98,27 @@ class FitResult:
 
 
 class _Stop(Exception):
-    """Unwinds from the training loop to fit() once the stop's checkpoint is written."""
+    """Unwinds from the training loop to fit() once the stop's checkpoint is
+    written, or its write failed (`failure`: why, on the primary)."""
 
-    def __init__(self, decision: Decision, path: Optional[Path], where: str):
+    def __init__(self, decision: Decision, path: Optional[Path], where: str, failure: Optional[str] = None):
         super().__init__(decision.signal_name)
         self.decision = decision
         self.path = path
         self.where = where  # "epoch E step S/N": where every process stopped
+        self.failure = failure
+
+
+class CheckpointNotWritten(SystemExit):
+    """Raised on every process when a checkpoint the run cannot end without
+    (its last, or a stop's) could not be written: exit WRITE_FAILED_EXIT_STATUS."""
+
+    def __init__(self):
+        super().__init__(WRITE_FAILED_EXIT_STATUS)
+
+
+class _LastCheckpointFailed(Exception):
+    """Unwinds to fit(): the run's last checkpoint could not be written (args: why, and the line to say)."""
 
 
 class TrainingDiverged(SystemExit):
@@ -243,6 +258,8 @@ class Trainer:
     # Where training stands after train_one_epoch, should a stop come before validation ends (see fit):
     # (steps, images done, _PartialEpoch).
     trained: Optional[tuple] = dataclasses.field(default=None, init=False)
+    # The splits whose images above Pillow's decompression-bomb limit were counted and named: once a run each.
+    large_images_noted: set = dataclasses.field(default_factory=set, init=False)
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -270,11 +287,11 @@ class Trainer:
                 self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
                 with timer.paused():
                     partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
-                    path = self.checkpointer.save_mid_epoch(
+                    path, failure = _saved_or_why(lambda: self.checkpointer.save_mid_epoch(
                         epoch, step, images_done + (step - step_numbers.start) * loaders.global_batch,
-                        partial.to_dict(), steps, stopping=decision.stop, log=self.log)
+                        partial.to_dict(), steps, stopping=decision.stop, log=self.log))
                 if decision.stop:
-                    raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}")
+                    raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
             batch = next(batches)
             timer.batch_ready()
             images, target = batch.image, batch.target
@@ -287,7 +304,8 @@ class Trainer:
             with self.precision.autocast():
                 logits = self.model(images)
                 loss = self.criterion(logits, target)
-            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
+            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
+                         large_images=bad_images.count_large(batch))
             if self.guard.allows_update(loss, epoch, step, lr):
                 self.precision.backward_and_step(loss, self.optimizer)
                 sums.add(loss, logits, target, timed=timer.timing, **files)
@@ -304,6 +322,7 @@ class Trainer:
         self.guard.settle()
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
         bad_files = _report_bad_images(self.log, self.ctx, epoch, "train", totals, bad_images, before.bad_files)
+        self._note_large_images("train", epoch, totals, bad_images)
         timing = timer.finish(self.ctx, before.timing)
         if lr is None and steps:  # every step ran before the checkpoint this run resumed from
             lr = self.schedule.lr(epoch, steps - 1, steps)
@@ -311,6 +330,14 @@ class Trainer:
                         _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
         return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                         self.precision.status())
+
+    def _note_large_images(self, split: str, epoch: int, totals: MetricTotals, bad_images: BadImages) -> None:
+        """A collective when there are some (the totals are the same on every process)."""
+        if totals.large_images and split not in self.large_images_noted:
+            self.large_images_noted.add(split)
+            note = bad_images.large_note(self.ctx, totals.large_images, f"{split} epoch {epoch}")
+            if note:
+                self.log.info(note)
 
     @torch.no_grad()
     def validate(self, loaders: Loaders, epoch: int) -> Tuple[EpochMetrics, ClassReport]:
@@ -335,7 +362,8 @@ class Trainer:
         for step, batch in enumerate(self._input(loader)):
             timer.batch_ready()
             images, target = batch.image, batch.target
-            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch))
+            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
+                         large_images=bad_images.count_large(batch))
             if files["bad_images"]:  # stand-ins for unreadable files: validation counts each readable image once
                 readable = (batch.bad_index < 0).to(images.device)
                 images, target = images[readable], target[readable]
@@ -351,6 +379,7 @@ class Trainer:
             timer.step_done()
         totals = sums.totals(self.ctx)
         _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
+        self._note_large_images("val", epoch, totals, bad_images)
         report = sums.class_report(self.ctx)
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1)
@@ -394,26 +423,42 @@ def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
                 decision = control.now()
                 if decision.stop:  # before validation, which can take minutes: the grace period may be short
                     steps, images_done, partial = trainer.trained
-                    path = checkpointer.save_mid_epoch(epoch, steps, images_done, partial.to_dict(), steps,
-                                                       stopping=True, log=log)
-                    raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})")
+                    path, failure = _saved_or_why(lambda: checkpointer.save_mid_epoch(
+                        epoch, steps, images_done, partial.to_dict(), steps, stopping=True, log=log))
+                    raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})", failure)
                 val, report = trainer.validate(loaders, epoch)
                 epochs_run += 1
                 is_best = checkpointer.validated(val.top1, epoch)
                 log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective
                 log.epoch_end(train, val, report, loaders.classes, checkpointer.best_acc1, checkpointer.best_epoch)
-                path = checkpointer.save(epoch + 1, 0, 0, None, is_best)
-                if desired_acc is not None and val.top1 >= desired_acc:
+                path, failure = _saved_or_why(lambda: checkpointer.save(epoch + 1, 0, 0, None, is_best))
+                reached = desired_acc is not None and val.top1 >= desired_acc
+                if reached or epoch + 1 >= epochs:  # the run's last checkpoint: every process ends alike
+                    failure = broadcast_from_primary(failure, ctx)
+                    if failure is not None:
+                        raise _LastCheckpointFailed(failure, f"could not write the checkpoint at the end of epoch "
+                                                             f"{epoch}, the run's last ({failure})")
+                elif failure is not None:  # the weights are still in memory: going on keeps them, stopping not
+                    log.info(f"warning: could not write the checkpoint at the end of epoch {epoch} ({failure}); "
+                             f"training goes on, and the next checkpoint tries again (the newest on disk: "
+                             f"{checkpointer.last_path or 'none'})")
+                    log.write_failed("checkpoints", failure, later=None)
+                if reached:
                     log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
                              f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
                     break
                 decision = control.now()
                 if decision.stop and epoch + 1 < epochs:
-                    raise _Stop(decision, path, f"the end of epoch {epoch}")
+                    raise _Stop(decision, path, f"the end of epoch {epoch}", failure)
     except _Stop as stop:
         # After a stop's checkpoint: close the logs, requeue the Slurm job when the signal asks for it,
         # and exit with STOPPED_EXIT_STATUS.
         control.ignore_signals()
+        failure = broadcast_from_primary(stop.failure, ctx)  # every process stopped here: they end alike
+        if failure is not None:  # no requeue: a job started again would meet the same full disk
+            _end_without_checkpoint(log, result(), io_sampler, ctx, control, checkpointer, failure,
+                                    f"stopping at {stop.where} on {stop.decision.signal_name} (every process at "
+                                    f"this step): could not write its checkpoint ({failure})")
         log.info(f"stopping at {stop.where} on {stop.decision.signal_name} (every process at this step): "
                  f"checkpoint saved to {stop.path}")
         _finish(log, result(), io_sampler, ctx, stopped=True)
@@ -436,8 +481,39 @@ def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
         _finish(log, result(), io_sampler, ctx, stopped=True)
         control.barrier()  # the primary's line is out before any launcher stops the job at an exit
         raise TrainingDiverged()
+    except _LastCheckpointFailed as problem:
+        control.ignore_signals()
+        _end_without_checkpoint(log, result(), io_sampler, ctx, control, checkpointer, problem.args[0],
+                                f"stopping: {problem.args[1]}")
     _finish(log, result(), io_sampler, ctx)
     return result()
+
+
+def _saved_or_why(save: Callable[[], Optional[Path]]) -> Tuple[Optional[Path], Optional[str]]:
+    """The path of the checkpoint `save` writes, or None and why it could not
+    (a full disk). Only the primary writes, so only it can fail: where the
+    run cannot go on without the file, fit() tells the others."""
+    try:
+        return save(), None
+    except OSError as error:
+        return None, one_line(error.strerror or str(error))
+
+
+def _end_without_checkpoint(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampler], ctx: Context,
+                            control: StopControl, checkpointer: Checkpointer, why: str, what: str) -> None:
+    """A checkpoint the run cannot end without was not written (`why`): one
+    line (`what`) says so and names the newest checkpoint on disk; then, on
+    every process, the logs are closed and the run exits with WRITE_FAILED_EXIT_STATUS."""
+    log.write_failed("checkpoints", why, later=None)  # named so at the finish
+    newest = checkpointer.last_path
+    if newest is not None:
+        then = f"the newest checkpoint is {newest}: free some space there and continue with --resume {newest}"
+    else:
+        then = "no checkpoint was written: free some space where --logdir is and start again"
+    log.info(f"{what}; the weights since then are not saved; {then}")
+    _finish(log, result, io_sampler, ctx, stopped=True)
+    control.barrier()  # the primary's line is out before any launcher stops the job at an exit
+    raise CheckpointNotWritten()
 
 
 def _finish(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampler], ctx: Context,
@@ -457,6 +533,10 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
     # checkpoint's recipe say what ran.
     cfg = dataclasses.replace(cfg, opt_level=policy.opt_level)
     log.info(policy.describe())
+    if loaders.jpeg_decoder is not None:  # chosen once for the run (TorchCodec, torchvision.io or Pillow), and why
+        log.info(loaders.jpeg_decoder.describe())
+    for note in loaders.notes:  # about the data: DATA unread, a folder under two classes
+        log.info(note)
     if policy.warning:  # a half type this device emulates: said once, at the start, and kept in config.json
         log.info(policy.warning)
     schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
@@ -474,6 +554,8 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard)
 
     if cfg.evaluate:
+        # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
+        # (saves replace files by rename, so it reads a whole one).
         val, report = trainer(None).validate(loaders, start.start_epoch)
         log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
         return None
@@ -486,17 +568,23 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
         "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
         "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
+        "jpeg_decoder": loaders.jpeg_decoder.to_dict() if loaders.jpeg_decoder is not None else None,
     }
-    run_dir = RunDirectory.open(cfg, ctx, resolved["checkpoint_bytes"])  # a collective
-    if run_dir is not None and run_dir.resuming:
-        set_aside = run_dir.set_aside_after(start.start_epoch, start.images_done, start.path)
-        if set_aside is not None:
-            log.info(f"resuming at epoch {start.start_epoch} step {start.step}, {set_aside}")
-    log.start_run(cfg, start, resolved, run_dir)
-    io_sampler = measure.start_io_sampler(cfg, ctx)
-    checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr), loaders.classes,
-                                start, run_dir.path if run_dir is not None else None, guard.check_weights)
-    return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
+    run_dir = RunDirectory.open(cfg, ctx, resolved["checkpoint_bytes"])  # a collective; locks it on the primary
+    try:
+        if run_dir is not None and run_dir.resuming:
+            set_aside = run_dir.set_aside_after(start.start_epoch, start.images_done, start.path)
+            if set_aside is not None:
+                log.info(f"resuming at epoch {start.start_epoch} step {start.step}, {set_aside}")
+        log.start_run(cfg, start, resolved, run_dir)
+        io_sampler = measure.start_io_sampler(cfg, ctx)
+        checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr),
+                                    loaders.classes, start, run_dir.path if run_dir is not None else None,
+                                    guard.check_weights)
+        return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
+    finally:
+        if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
+            run_dir.close()
 
 
 @dataclasses.dataclass(frozen=True)

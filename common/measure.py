@@ -68,9 +68,9 @@ class StepTimer:
     `warmup_steps` are left out of the rates (start-up, cuDNN autotuning,
     workers filling their queues), unless the split has at most twice as
     many steps, when every step counts. Call batch_ready() when a batch
-    arrives and step_done() when its step is queued."""
+    arrives and step_done() when its step is queued. `clock`: seconds, for tests."""
 
-    def __init__(self, steps: int, warmup_steps: int, devices: List[torch.device]):
+    def __init__(self, steps: int, warmup_steps: int, devices: List[torch.device], clock=time.perf_counter):
         # `steps`: the primary's count, the same on every process (validation shards can differ by a
         # batch), so all of them leave out the same warm-up and their timed images add up.
         self.warmup_steps = warmup_steps if steps > 2 * warmup_steps else 0
@@ -79,18 +79,25 @@ class StepTimer:
         if self.device.type == "cuda":
             for device in devices:
                 torch.cuda.reset_peak_memory_stats(device)
+        self.clock = clock
         self.completed = 0
         self.data_wait_seconds = 0.0  # after the warm-up
         self.all_data_wait_seconds = 0.0  # every step, for the print intervals
-        self.start = self.timed_start = self.step_end = time.perf_counter()
+        self.start = self.timed_start = self.step_end = clock()
 
     @property
     def timing(self) -> bool:
         """Whether the current step counts for the rates (it is past the warm-up)."""
         return self.completed >= self.warmup_steps
 
+    def mean_step_seconds(self) -> Optional[float]:
+        """The mean wall time of the steps completed after the warm-up, what
+        each step still to come is expected to take; None before one is."""
+        timed_steps = self.completed - self.warmup_steps
+        return (self.step_end - self.timed_start) / timed_steps if timed_steps > 0 else None
+
     def batch_ready(self) -> None:
-        wait = time.perf_counter() - self.step_end
+        wait = self.clock() - self.step_end
         self.all_data_wait_seconds += wait
         if self.timing:
             self.data_wait_seconds += wait
@@ -99,17 +106,17 @@ class StepTimer:
         self.completed += 1
         if self.completed == self.warmup_steps:
             synchronize(self.device)  # the warm-up's queued work is not billed to the timed steps
-            self.timed_start = time.perf_counter()
-        self.step_end = time.perf_counter()
+            self.timed_start = self.clock()
+        self.step_end = self.clock()
 
     @contextlib.contextmanager
     def paused(self):
         """Leave what happens meanwhile (writing a checkpoint) out of every figure."""
-        paused_at = time.perf_counter()
+        paused_at = self.clock()
         try:
             yield
         finally:
-            pause = time.perf_counter() - paused_at
+            pause = self.clock() - paused_at
             self.start += pause
             self.timed_start += pause
             self.step_end += pause
@@ -121,7 +128,7 @@ class StepTimer:
         of them (their waits summed over their timed wall times). `before`:
         the same split's timing up to a mid-epoch checkpoint this run resumed
         from, which the result includes (each part left out its own warm-up)."""
-        now = time.perf_counter()
+        now = self.clock()
         timed_seconds = now - self.timed_start if self.timing else 0.0  # nothing is timed before the warm-up ends
         memory = torch.tensor([peak_memory_mib(self.devices), host_memory_mib()], dtype=torch.float64,
                               device=ctx.device)

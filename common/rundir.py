@@ -24,11 +24,16 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime
+import errno
+import fcntl
+import io
 import itertools
+import json
 import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
 
@@ -40,6 +45,9 @@ from common.launch import restart_name
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
 _KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
+LOCK_NAME = "run.lock"  # held by the run writing in the directory (RunLock)
+# The temporary files of atomic_write and _link_atomically (.<name>.tmp-<pid>) and rewrite_rows (.<name>.tmp).
+_TEMPORARY_NAME = re.compile(r"^\..+\.tmp(-\d+)?$")
 # What a resume from an earlier position sets aside (besides the newer checkpoint files).
 _RESULT_FILES = ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
                  "confusion_matrix.npy", "confusion_matrix_best.npy")
@@ -143,20 +151,27 @@ def add_checkpoint(run_dir: Path, epoch: int, images_done: int, write: Callable[
 
 def rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     """Replace a CSV file by these rows under these columns (a new file
-    renamed over it: later appends never reach a copy kept by a link)."""
+    renamed over it: later appends never reach a copy kept by a link). A
+    write that fails (a full disk) raises and leaves the old file as it was."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(OSError):  # there only when the write failed
+            temporary.unlink()
 
 
 def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     """Append rows to a CSV file, with the header when the file is new; a
     missing value is an empty cell. A file written with other columns (an
     older version's metrics.csv, being resumed) is first rewritten with these,
-    its rows kept, so every row matches the header."""
+    its rows kept, so every row matches the header. An append that fails (a
+    full disk) raises and is undone: the file is cut back to its size before
+    (a new one removed), never left with half a row, nor shorter."""
     new_file = not path.is_file()
     if not new_file:
         with open(path, newline="") as handle:  # the header only, unless it differs (io.csv grows long)
@@ -164,11 +179,35 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
             old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
         if old_rows is not None:
             rewrite_rows(path, columns, old_rows)
-    with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        if new_file:
-            writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    if new_file:
+        writer.writeheader()
+    writer.writerows(rows)
+    # surrogateescape: a file name that is not valid UTF-8 (bad_images.csv) is written as its own bytes
+    append_whole(path, text.getvalue().encode("utf-8", "surrogateescape"), remove_if_new=new_file)
+
+
+def append_whole(path: Path, data: bytes, remove_if_new: bool = True) -> None:
+    """Append `data` to `path` (created if missing) all or nothing: a write
+    that fails partway (a full disk, a quota) is cut off again and the error
+    raised, so the file never ends in half a row or record. Unbuffered, so
+    no buffer is left to be written behind the cut when the file is closed."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size_before = os.fstat(descriptor).st_size
+        try:
+            remaining = memoryview(data)
+            while remaining:
+                remaining = remaining[os.write(descriptor, remaining):]
+        except OSError:
+            os.ftruncate(descriptor, size_before)  # frees blocks: it needs no room
+            if remove_if_new and size_before == 0:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
+    finally:
+        os.close(descriptor)
 
 
 def format_bytes(count: Optional[int]) -> str:
@@ -243,32 +282,167 @@ def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
             return run_dir, False
 
 
-def _check_room(run_dir: Path, resuming: bool, keep: int, checkpoint_bytes: Optional[int]) -> None:
-    """Before training: the run directory is writable and its file system
-    has room for the checkpoints to come, less those already there: the
-    --keep-checkpoints files, the one being written before the oldest is
-    deleted, and model_best.pth.tar, whose link keeps an otherwise deleted
-    file on disk. A run that fails at its first checkpoint hours in wastes
-    them. A new run's (still empty) directory is removed again when it fails."""
+def _check_writable(run_dir: Path) -> None:
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
+
+
+def _check_room(run_dir: Path, resuming: bool, keep: int, checkpoint_bytes: Optional[int],
+                stuck_temporaries: List[Tuple[Path, int]]) -> None:
+    """Before training: the run directory's file system has room for the
+    checkpoints to come, less those already there: the --keep-checkpoints
+    files, the one being written before the oldest is deleted, and
+    model_best.pth.tar, whose link keeps an otherwise deleted file on disk.
+    A run that fails at its first checkpoint hours in wastes them.
+    `stuck_temporaries`: files of interrupted saves that could not be
+    removed, (path, bytes): named when the room is short, as what to free."""
+    if checkpoint_bytes is None:
+        return
+    existing = len(kept_checkpoints(run_dir)) if resuming else 0
+    files = max(1, keep + 2 - existing)
+    needed = files * checkpoint_bytes + LOG_ROOM_BYTES
+    free = shutil.disk_usage(run_dir).free
+    if free < needed:
+        stuck = ""
+        if stuck_temporaries:
+            stuck = (f"; {_temporary_files(len(stuck_temporaries))} of interrupted saves there hold "
+                     f"{format_bytes(sum(size for _, size in stuck_temporaries))} and could not be removed "
+                     f"(such as {stuck_temporaries[0][0]})")
+        raise UsageError(f"argument --logdir: {format_bytes(free)} free where {run_dir} is; this run needs "
+                         f"about {format_bytes(needed)} ({files} more checkpoint files of "
+                         f"{format_bytes(checkpoint_bytes)} with --keep-checkpoints {keep}, and its logs){stuck}: "
+                         f"free some, lower --keep-checkpoints or choose another --logdir")
+
+
+# --- one writer per run directory ---
+
+def _read_lock_record(descriptor: int) -> dict:
+    """What a RunLock's file says about its holder: {} when it says nothing
+    (released, or the holder has not written it yet)."""
     try:
-        if not os.access(run_dir, os.W_OK | os.X_OK):
-            raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
-        if checkpoint_bytes is None:
+        text = os.pread(descriptor, 4096, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return {}
+    if not text:
+        return {}
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    return record if isinstance(record, dict) else {"text": text[:200]}
+
+
+def _describe_holder(record: dict) -> str:
+    if "pid" in record:
+        return f"pid {record['pid']} on host {record.get('host', '?')}, started {record.get('started', '?')}"
+    return record.get("text", "a process that has not written its pid yet")
+
+
+class RunLock:
+    """The run directory's lock, run.lock: an exclusive POSIX lock
+    (fcntl.lockf) that the primary process takes in RunDirectory.open and
+    holds until the run ends, so that a second run in the same directory (a
+    requeued job whose old allocation still runs, a reused --run-name) is
+    refused instead of mixing its rows and checkpoints with the first's.
+    The kernel drops the lock when its process ends, on kill -9 too: a lock
+    that can be taken is stale, and its file only tells who held it. POSIX
+    locks rather than flock: forked data-loading workers do not inherit them
+    (a killed run's lock is free at once, not when its workers notice), and
+    NFS implements flock with them anyway. Their one trap: closing any
+    descriptor of the file drops the process's lock, so nothing else here
+    opens run.lock. The file is never removed while in use (removing it would
+    let a second run lock a new file of that name)."""
+
+    def __init__(self, path: Path, descriptor: Optional[int]):
+        self.path = path
+        self._descriptor = descriptor  # None: the file system cannot lock
+
+    @property
+    def held(self) -> bool:
+        return self._descriptor is not None
+
+    @staticmethod
+    def take(run_dir: Path, flag: str) -> "RunLock":
+        """Lock `run_dir` for this process, recording host, pid and start
+        time; a UsageError naming the holder (and `flag`) when another
+        process has it. A stale lock is taken over, with a warning; on a file
+        system without locks, a warning, and the run goes on unlocked."""
+        path = Path(run_dir) / LOCK_NAME
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise UsageError(f"argument {flag}: cannot create {path} ({error.strerror})") from None
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = _read_lock_record(descriptor)
+            os.close(descriptor)
+            if error.errno in (errno.EACCES, errno.EAGAIN):
+                raise UsageError(f"argument {flag}: {run_dir} is in use by another run, {_describe_holder(holder)} "
+                                 f"({path}); wait for it to end or stop it, or choose another {flag}") from None
+            print(f"warning: cannot lock {path} ({error.strerror}): this file system has no locks, so a second "
+                  f"run started in {run_dir} would not be refused", file=sys.stderr, flush=True)
+            return RunLock(path, None)
+        previous = _read_lock_record(descriptor)
+        mine = {"host": socket.gethostname(), "pid": os.getpid(),
+                "started": datetime.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, (json.dumps(mine) + "\n").encode(), 0)
+        if previous and (previous.get("host"), previous.get("pid")) != (mine["host"], mine["pid"]):
+            print(f"warning: {run_dir} was still locked by {_describe_holder(previous)}, which is gone (killed, "
+                  f"or its node failed): taking the lock over", file=sys.stderr, flush=True)
+        return RunLock(path, descriptor)
+
+    def release(self, remove: bool = False) -> None:
+        """Give the directory back before the process ends: the record is
+        emptied (so the next run finds a released lock, not a stale one to
+        warn about), or the file removed (`remove`: with the new directory it
+        was made in, which a failed start removes again)."""
+        if self._descriptor is None:
             return
-        existing = len(kept_checkpoints(run_dir)) if resuming else 0
-        files = max(1, keep + 2 - existing)
-        needed = files * checkpoint_bytes + LOG_ROOM_BYTES
-        free = shutil.disk_usage(run_dir).free
-        if free < needed:
-            raise UsageError(f"argument --logdir: {format_bytes(free)} free where {run_dir} is; this run needs "
-                             f"about {format_bytes(needed)} ({files} more checkpoint files of "
-                             f"{format_bytes(checkpoint_bytes)} with --keep-checkpoints {keep}, and its logs): "
-                             f"free some, lower --keep-checkpoints or choose another --logdir")
-    except UsageError:
-        if not resuming:
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if still empty: nothing written is ever removed
-        raise
+        with contextlib.suppress(OSError):
+            if remove:
+                self.path.unlink()
+            else:
+                os.ftruncate(self._descriptor, 0)
+        os.close(self._descriptor)  # drops the lock
+        self._descriptor = None
+
+
+def _remove_leftover_temporaries(run_dir: Path, may_remove: bool) -> List[Tuple[Path, int]]:
+    """Remove the temporary files that saves killed mid-write left behind
+    (kill -9, a node crash: one checkpoint's size each, some 200 MB for
+    ResNet-50), when this process holds the run directory's lock
+    (`may_remove`): then no other process writes here, so none is in use.
+    Says what it removed; returns those that stay, with their sizes."""
+    found = []
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            if _TEMPORARY_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
+    removed_bytes, stuck = [], []
+    for path, size in found:
+        try:
+            if may_remove:
+                path.unlink()
+                removed_bytes.append(size)
+                continue
+        except OSError:  # not ours to remove (another user's file), say
+            pass
+        stuck.append((path, size))
+    if removed_bytes:
+        print(f"note: removed {_temporary_files(len(removed_bytes))} of interrupted saves from {run_dir} "
+              f"({format_bytes(sum(removed_bytes))})", file=sys.stderr, flush=True)
+    return stuck
+
+
+def _temporary_files(count: int) -> str:
+    return f"{count} temporary file" + ("s" if count != 1 else "")
+
+
+def _directory_flag(cfg: Config) -> str:
+    """The flag that chose the run directory, for messages about it."""
+    return "--run-name" if cfg.run_name is not None else "--resume" if cfg.resume else "--logdir"
 
 
 def _preserve(source: Path, destination: Path) -> None:
@@ -285,29 +459,49 @@ class RunDirectory:
     """The run directory of this run, on the primary process: its path, and
     whether this run continues one that exists (a resume)."""
 
-    def __init__(self, path: Path, resuming: bool):
+    def __init__(self, path: Path, resuming: bool, lock: Optional[RunLock] = None):
         self.path = Path(path)
         self.resuming = resuming
+        self.lock = lock
 
     @staticmethod
     def open(cfg: Config, ctx: Context, checkpoint_bytes: Optional[int] = None) -> Optional["RunDirectory"]:
-        """Create (or, on --resume, reopen) the run directory, after checking it
-        is writable and has room for `checkpoint_bytes`-sized checkpoints; the
-        directory on the primary, None on the others. A collective: the
-        primary's failure (say, --run-name taken) is raised on every process,
-        so none is left waiting for the others."""
+        """Create (or, on --resume, reopen) the run directory and lock it for
+        this run (RunLock), after checking it is writable; remove what killed
+        saves left there, then check it has room for `checkpoint_bytes`-sized
+        checkpoints. The directory on the primary, None on the others. A
+        collective: the primary's failure (say, --run-name taken, or in use
+        by another run) is raised on every process, so none is left waiting
+        for the others. A new run's directory is removed again when it fails."""
         failure = run_dir = None
         if ctx.is_primary:
             try:
                 path, resuming = _choose_directory(cfg, ctx)
-                _check_room(path, resuming, cfg.keep_checkpoints, checkpoint_bytes)
-                run_dir = RunDirectory(path, resuming)
+                lock = None
+                try:
+                    _check_writable(path)
+                    lock = RunLock.take(path, _directory_flag(cfg))
+                    stuck = _remove_leftover_temporaries(path, may_remove=lock.held)
+                    _check_room(path, resuming, cfg.keep_checkpoints, checkpoint_bytes, stuck)
+                except UsageError:
+                    if lock is not None:
+                        lock.release(remove=not resuming)
+                    if not resuming:
+                        with contextlib.suppress(OSError):
+                            path.rmdir()  # only if still empty: nothing written is ever removed
+                    raise
+                run_dir = RunDirectory(path, resuming, lock)
             except UsageError as error:
                 failure = str(error)
         failure = broadcast_from_primary(failure, ctx)
         if failure is not None:
             raise UsageError(failure)
         return run_dir
+
+    def close(self) -> None:
+        """The run is over: release the directory (RunLock.release)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def set_aside_after(self, start_epoch: int, images_done: int, resumed_from: Optional[str]) -> Optional[str]:
         """Resuming from an earlier position than the run directory reached

@@ -11,10 +11,12 @@ curves (`*_interval`, x-axis: steps).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -22,7 +24,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -33,10 +35,11 @@ from common.checkpoint import ResumePoint
 from common.config import Config
 from common import hardware
 from common.distributed import Context
-from common.errors import one_line
+from common.errors import UsageError, one_line
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
-from common.rundir import CHECKPOINT_NAME, RunDirectory, append_rows, format_bytes
+from common.rundir import (BEST_NAME, CHECKPOINT_NAME, RunDirectory, append_rows, append_whole, atomic_write,
+                           format_bytes)
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 
@@ -55,14 +58,15 @@ _SCALARS = {
             "Data/bad_images_val": "bad_images"},
 }
 BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
+_NO_MORE_EVENTS = "its later events are dropped (its writer cannot go on after a failed write)"
 
 
 def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_path: Path, npy_path: Path) -> None:
     """val_report.csv (a row per class, then the macro and micro averages; in
     percent) and the confusion counts as .npy, each written whole and then
-    renamed into place, so a reader never sees half a file."""
-    temporary = csv_path.with_name(f".{csv_path.name}.tmp")
-    with open(temporary, "w", newline="") as handle:
+    renamed into place, so a reader never sees half a file, and a write that
+    fails (a full disk) leaves the previous one as it was."""
+    with _replaced(csv_path) as temporary, open(temporary, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["epoch", "class", "precision_percent", "recall_percent", "f1_percent", "support"])
         for name, precision, recall, f1, support in zip(classes, report.precision, report.recall, report.f1,
@@ -72,13 +76,23 @@ def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_
         writer.writerow([epoch, f"macro avg ({present} classes with images)", f"{report.macro(report.precision):.4f}",
                          f"{report.macro(report.recall):.4f}", f"{report.macro_f1:.4f}", int(report.support.sum())])
         writer.writerow([epoch, "micro avg", *(f"{report.micro:.4f}",) * 3, int(report.support.sum())])
-    os.replace(temporary, csv_path)
     if report.confusion is None:  # too many classes to keep the matrix (MetricSums.CONFUSION_MAX_CLASSES)
         return
-    temporary = npy_path.with_name(f".{npy_path.name}.tmp")
-    with open(temporary, "wb") as handle:
+    with _replaced(npy_path) as temporary, open(temporary, "wb") as handle:
         np.save(handle, report.confusion)
-    os.replace(temporary, npy_path)
+
+
+@contextlib.contextmanager
+def _replaced(path: Path):
+    """A temporary name beside `path` to write to: renamed over `path` when
+    the write succeeds, removed when it fails."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(OSError):  # there only when the write failed
+            temporary.unlink()
 
 
 def _cpu_model() -> str:
@@ -122,6 +136,31 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def _format_time_left(seconds: float) -> str:
+    """A time left, to the precision that matters: 4m05s, 2h05m, 6d19h."""
+    if round(seconds) < 3600:
+        return _format_duration(seconds)
+    hours, minutes = divmod(int(round(seconds / 60)), 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _format_clock(when: float, now: float) -> str:
+    """A wall-clock time, local: 14:32 today, `Mar 05 14:32` on another day."""
+    moment, today = datetime.datetime.fromtimestamp(when), datetime.datetime.fromtimestamp(now)
+    return moment.strftime("%H:%M" if moment.date() == today.date() else "%b %d %H:%M")
+
+
+def run_seconds_left(epochs_after: int, steps_per_epoch: int, seconds_per_step: float,
+                     validation_seconds: float) -> float:
+    """The expected wall time of the run's `epochs_after` epochs still to come
+    after this one: their training steps at the measured mean step time (the
+    warm-up left out) and a validation pass each, as long as the last one took."""
+    return epochs_after * (steps_per_epoch * seconds_per_step + validation_seconds)
+
+
 class ProgressMeter:
     """Progress lines of one split of one epoch, printed by the primary
     process, and the same figures per interval in TensorBoard. Loss and
@@ -129,23 +168,29 @@ class ProgressMeter:
     so far; images/s is over the last print interval, for all processes
     (this process's rate x processes), and so is the share of wall time
     spent waiting for the next batch. An interval that holds warm-up steps
-    says so."""
+    says so. The time left (ETA) is the steps left at the mean step time
+    measured so far in this split, warm-up left out: for the split, and on
+    training lines for the run (`epochs`), with a validation pass per epoch
+    as long as the last one (`validation_seconds`; none counted before the
+    first)."""
 
-    def __init__(self, split: str, epoch: int, steps: int, world_size: int, replicas: int, per_replica: str,
-                 writer=None, first_step: int = 0):
-        self.split, self.epoch, self.steps, self.world_size, self.replicas = split, epoch, steps, world_size, replicas
-        self.per_replica = per_replica  # "per GPU", or "per process" on the CPU
+    def __init__(self, split: str, epoch: int, steps: int, world_size: int,
+                 writer=None, first_step: int = 0, epochs: Optional[int] = None, validation_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.split, self.epoch, self.steps, self.world_size = split, epoch, steps, world_size
         self.writer = writer
+        self.epochs, self.validation_seconds = epochs, validation_seconds  # epochs: the run's (--epochs); None: unknown
         self.width = len(str(steps))
         self.first_step = first_step  # after a mid-epoch resume, the steps before it ran in an earlier process
-        self.last_time = time.perf_counter()
+        self.clock = clock  # seconds, for tests
+        self.last_time = clock()
         self.last_count = 0
         self.last_step = first_step
         self.last_data_wait_seconds = 0.0
 
     def show(self, step: int, running: MetricTotals, timer: StepTimer, lr: Optional[float],
              precision_status: Optional[dict] = None) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         interval_seconds = max(now - self.last_time, 1e-9)
         images_per_second = (running.count - self.last_count) * self.world_size / interval_seconds
         seconds_per_step = interval_seconds / max(step + 1 - self.last_step, 1)
@@ -154,15 +199,14 @@ class ProgressMeter:
         self.last_time, self.last_count, self.last_step = now, running.count, step + 1
         self.last_data_wait_seconds = timer.all_data_wait_seconds
         line = (f"{self.split:5s} epoch {self.epoch} [{step + 1:{self.width}d}/{self.steps}]  "
-                f"loss {running.loss:.4f}  top1 {running.top1:6.2f}%  top5 {running.top5:6.2f}%  "
-                f"{images_per_second:8.1f} img/s ({images_per_second / self.replicas:.1f} {self.per_replica})  "
-                f"{seconds_per_step:.3f} s/step  data wait {100 * data_wait_share:3.0f}%  "
-                f"mem {peak_memory_mib(timer.devices):.0f} MiB")
+                f"loss {running.loss:.4f}  top1 {running.top1:.2f}%  top5 {running.top5:.2f}%  "
+                f"{images_per_second:.1f} img/s  {seconds_per_step:.3f} s/step  "
+                f"data wait {100 * data_wait_share:.0f}%  mem {peak_memory_mib(timer.devices):.0f} MiB")
         if lr is not None:
             line += f"  lr {lr:.5f}"
         if precision_status:
             line += f"  loss scale {precision_status['loss_scale']:g} ({precision_status['skipped_steps']} skipped)"
-        print(line + ("  (warm-up)" if warmup else ""), flush=True)
+        print(line + self.time_left(step, timer.mean_step_seconds()) + ("  (warm-up)" if warmup else ""), flush=True)
         if self.writer is not None:
             global_step = self.epoch * self.steps + step + 1
             for tag, value in ((f"Throughput/{self.split}_interval", images_per_second),
@@ -170,26 +214,158 @@ class ProgressMeter:
                                (f"Data/wait_fraction_{self.split}_interval", data_wait_share)):
                 self.writer.add_scalar(tag, value, global_step=global_step)
 
+    def time_left(self, step: int, seconds_per_step: Optional[float]) -> str:
+        """`  ETA 2m05s (run 1h10m)` after step `step`; `  ETA --` while no
+        step past the warm-up has been timed."""
+        if seconds_per_step is None:
+            return "  ETA --"
+        split_seconds = (self.steps - step - 1) * seconds_per_step
+        text = f"  ETA {_format_time_left(split_seconds)}"
+        if self.split == "train" and self.epochs is not None:
+            epochs_after = max(self.epochs - self.epoch - 1, 0)
+            run_seconds = split_seconds + self.validation_seconds + run_seconds_left(
+                epochs_after, self.steps, seconds_per_step, self.validation_seconds)
+            text += f" (run {_format_time_left(run_seconds)})"
+        return text
+
 
 class _SilentProgress:
     def show(self, *args, **kwargs) -> None:
         pass
 
 
+class _FailSafeFile:
+    """The event file under a TensorBoard writer, as its background thread
+    writes it, a record per write: a write that fails (a full disk) is undone
+    (the file cut back to its size before, so it never ends in part of a
+    record, which readers take for damage), kept in `error`, and every later
+    one dropped, instead of the thread dying with a traceback on stderr and
+    every later add_scalar raising its error."""
+
+    def __init__(self, file, path: Path):
+        self.file, self.path, self.error = file, path, None
+
+    def write(self, data) -> None:
+        if self.error is not None:
+            return
+        size_before = self.path.stat().st_size
+        try:
+            self.file.write(data)
+        except OSError as error:
+            self.error = error
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size_before)
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.file.flush()
+            except OSError as error:
+                self.error = error
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.file.closed
+
+
+class EventWriter:
+    """A TensorBoard SummaryWriter whose failure to write (a full disk) is not
+    the run's: `on_failure` hears of the first one, the event file keeps its
+    whole records, and later scalars are dropped (the writer's thread cannot
+    go on after a failed write). Writes happen in that background thread, so
+    a failure shows at the next add_scalar or flush."""
+
+    def __init__(self, log_dir: Path, purge_step: Optional[int], on_failure: Callable[[str], None]):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
+
+        self._on_failure = on_failure
+        self._writer = self._file = None
+        try:
+            self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        except OSError as error:
+            on_failure(error.strerror or str(error))
+            return
+        try:  # tensorboard's EventFileWriter (2.x): the file its thread writes, wrapped; see _FailSafeFile
+            events = self._writer.file_writer.event_writer
+            records = events._async_writer._writer
+            self._file = records._writer = _FailSafeFile(records._writer, Path(events._file_name))
+        except AttributeError:  # another version: its failures come out of add_scalar and flush instead
+            pass
+
+    def add_scalar(self, tag: str, value: float, global_step: int, walltime: Optional[float] = None) -> None:
+        self._call(self._writer.add_scalar if self._writer else None, tag, value, global_step=global_step,
+                   walltime=walltime)
+
+    def flush(self) -> None:
+        self._call(self._writer.flush if self._writer else None)
+
+    def close(self) -> None:
+        if self._call(self._writer.close if self._writer else None):
+            self._writer = None
+
+    def _call(self, operation, *args, **kwargs) -> bool:
+        """Whether `operation` (None: the writer failed before) succeeded."""
+        if operation is None:
+            return False
+        try:
+            operation(*args, **kwargs)
+            error = self._file.error if self._file is not None else None
+        except OSError as raised:
+            error = raised
+        if error is None:
+            return True
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(OSError):
+            writer.close()  # stops its thread
+        self._on_failure(error.strerror or str(error))
+        return False
+
+
 class RunLog:
     """Console, metrics.csv and TensorBoard sinks of one run. One class of
-    ~160 lines because its methods are the events of a run (start, epoch end,
+    ~220 lines because its methods are the events of a run (start, epoch end,
     unreadable images, evaluation, finish), each written to every sink by the
-    primary alone: splitting it by sink would repeat that rule in each."""
+    primary alone, and each sink's write failures handled alike (see
+    _writing): splitting it by sink would repeat those rules in each."""
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, wall_clock: Callable[[], float] = time.time):
         self.ctx = ctx
         self.is_primary = ctx.is_primary
         self.run_dir: Optional[Path] = None
-        self._writer = None  # TensorBoard SummaryWriter, opened by start_run: x-axis epochs
+        self._writer = None  # TensorBoard EventWriter, opened by start_run: x-axis epochs
         self._step_writer = None  # and one in steps/ for the per-interval curves: x-axis steps
         self._skips_explained = False
         self._per_replica = "per GPU" if ctx.device_kind == "gpu" else "per process"
+        self.wall_clock = wall_clock
+        self.epochs: Optional[int] = None  # the run's --epochs (start_run), for the time left; None: not known
+        self._validation_seconds = 0.0  # the last validation pass's wall time, for the time left
+        # Files of the run whose writes failed (a full disk), and why: each said once, and named at the finish.
+        self.unwritten: Dict[str, str] = {}
+
+    def write_failed(self, name: str, why: str, later: Optional[str] = "its later writes are tried again "
+                     "without a word") -> None:
+        """A write of the run's file `name` failed (`why`: the error's text):
+        warn the first time (the run goes on, the file keeps what it held;
+        `later`: what becomes of its later writes, None: the caller warns),
+        and note it for the finish."""
+        if name not in self.unwritten and later is not None:
+            self.info(one_line(f"warning: could not write {name} in {self.run_dir} ({why}); it keeps what it "
+                               f"holds, {later}, and training goes on"))
+        self.unwritten[name] = why
+
+    @contextlib.contextmanager
+    def _writing(self, name: str):
+        """Write the run's file `name`: a failure is a warning (write_failed),
+        not the end of the run; what the file held before is kept (appends
+        are undone, other files replaced whole by a rename)."""
+        try:
+            yield
+        except OSError as error:
+            self.write_failed(name, error.strerror or str(error))
 
     def info(self, message: str) -> None:
         if self.is_primary:
@@ -209,8 +385,9 @@ class RunLog:
     def progress_meter(self, split: str, epoch: int, steps: int, first_step: int = 0):
         if not self.is_primary:
             return _SilentProgress()
-        return ProgressMeter(split, epoch, steps, self.ctx.world_size, self.ctx.replicas, self._per_replica,
-                             self._step_writer if split == "train" else None, first_step)
+        return ProgressMeter(split, epoch, steps, self.ctx.world_size,
+                             self._step_writer if split == "train" else None, first_step, self.epochs,
+                             self._validation_seconds)
 
     def start_run(self, cfg: Config, start: ResumePoint, resolved: dict, run_dir: Optional[RunDirectory]) -> None:
         """Record the run's configuration in its directory (config.json, or a
@@ -219,6 +396,7 @@ class RunLog:
         if not self.is_primary or run_dir is None:
             return
         self.run_dir = run_dir.path
+        self.epochs = cfg.epochs
         record = {
             "command": shlex.join([sys.executable] + sys.argv),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -229,34 +407,40 @@ class RunLog:
             "resolved": resolved,
             "environment": environment(self.ctx),
         }
-        if run_dir.resuming:
-            with open(self.run_dir / "resumes.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-        else:
-            with open(self.run_dir / "config.json", "w") as handle:
-                json.dump(record, handle, indent=2)
-                handle.write("\n")
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
-
+        # Written whole or not at all; one that cannot be written (a full disk) stops the run before it starts,
+        # as the free-space check would have: without it, --resume auto would not know the directory.
+        path = self.run_dir / ("resumes.jsonl" if run_dir.resuming else "config.json")
+        try:
+            if run_dir.resuming:
+                append_whole(path, (json.dumps(record) + "\n").encode(), remove_if_new=True)
+            else:
+                atomic_write(path, lambda handle: handle.write((json.dumps(record, indent=2) + "\n").encode()))
+        except OSError as error:
+            raise UsageError(f"argument --logdir: cannot write {path} ({error.strerror or error}): free some "
+                             f"space there or choose another --logdir") from None
         # purge_step hides events of epochs (and steps) that are now being redone; TensorBoard steps are
         # 1-based epochs here, and steps completed in steps/ (its own event file, as purging is per file).
         resuming = run_dir.resuming
-        self._writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=start.start_epoch + 1 if resuming else None)
+        self._writer = EventWriter(self.run_dir, start.start_epoch + 1 if resuming else None,
+                                   lambda why: self.write_failed("the TensorBoard events", why, _NO_MORE_EVENTS))
         steps_per_epoch = resolved.get("steps_per_epoch", 0)
         first_step = start.start_epoch * steps_per_epoch + start.step + 1
-        self._step_writer = SummaryWriter(log_dir=str(self.run_dir / "steps"),
-                                          purge_step=first_step if resuming else None)
+        self._step_writer = EventWriter(self.run_dir / "steps", first_step if resuming else None,
+                                        lambda why: self.write_failed("the TensorBoard events of steps/", why,
+                                                                         _NO_MORE_EVENTS))
 
     def io_samples(self, rows: List[dict]) -> None:
         """Append every node's I/O samples (common.measure.gather_io_rows) to io.csv."""
         if self.is_primary and self.run_dir is not None and rows:
-            append_rows(self.run_dir / "io.csv", IO_COLUMNS, rows)
+            with self._writing("io.csv"):
+                append_rows(self.run_dir / "io.csv", IO_COLUMNS, rows)
 
     def log_metrics(self, metrics: EpochMetrics) -> None:
         """Append one row to metrics.csv and the split's TensorBoard scalars."""
         if not self.is_primary or self.run_dir is None:
             return
-        append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
+        with self._writing("metrics.csv"):
+            append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
         for tag, field in _SCALARS[metrics.split].items():
             value = getattr(metrics, field)
             if value is not None:
@@ -270,11 +454,14 @@ class RunLog:
         self.log_metrics(train)
         self.log_metrics(val)
         if self.is_primary and self.run_dir is not None:
-            write_class_report(report, classes, val.epoch, self.run_dir / "val_report.csv",
-                               self.run_dir / "confusion_matrix.npy")
+            with self._writing("val_report.csv"):
+                write_class_report(report, classes, val.epoch, self.run_dir / "val_report.csv",
+                                   self.run_dir / "confusion_matrix.npy")
             if best_epoch == val.epoch:
-                write_class_report(report, classes, val.epoch, self.run_dir / "val_report_best.csv",
-                                   self.run_dir / "confusion_matrix_best.npy")
+                with self._writing("val_report_best.csv"):
+                    write_class_report(report, classes, val.epoch, self.run_dir / "val_report_best.csv",
+                                       self.run_dir / "confusion_matrix_best.npy")
+        self._validation_seconds = val.seconds
         warmup = f" after {train.warmup_steps} warm-up steps" if train.warmup_steps else ""
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
@@ -285,7 +472,21 @@ class RunLog:
                      if train.loss_scale is not None else ""))
         self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
                   f"macro-F1 {val.macro_f1:.2f}%  | {val.images} images in {val.seconds:.1f} s  "
-                  f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})")
+                  f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})" + self._run_end(train, val))
+
+    def _run_end(self, train: EpochMetrics, val: EpochMetrics) -> str:
+        """`  | run ends ~ 14:32 (2h05m left)` after epoch `val.epoch`, from
+        this epoch's mean step time (warm-up left out) and validation time;
+        empty after the last epoch, or when --epochs is not known."""
+        epochs_after = (self.epochs or 0) - val.epoch - 1
+        if epochs_after <= 0:
+            return ""
+        seconds_per_step = train.seconds_per_step
+        if not math.isfinite(seconds_per_step):  # no step timed (a split within its warm-up): the wall time
+            seconds_per_step = train.seconds / max(train.steps, 1)
+        seconds_left = run_seconds_left(epochs_after, train.steps, seconds_per_step, val.seconds)
+        now = self.wall_clock()
+        return f"  | run ends ~ {_format_clock(now + seconds_left, now)} ({_format_time_left(seconds_left)} left)"
 
     def bad_images(self, epoch: int, split: str, count: int, reasons: Dict[str, str]) -> None:
         """--bad-images skip: say how many unreadable images the split met, and
@@ -301,9 +502,10 @@ class RunLog:
             if path.is_file():
                 with open(path, newline="") as handle:
                     listed = {row["path"] for row in csv.DictReader(handle)}
-            append_rows(path, BAD_IMAGE_COLUMNS, [
-                {"path": file, "split": split, "first_epoch": epoch, "reason": reason}
-                for file, reason in reasons.items() if file not in listed])
+            with self._writing("bad_images.csv"):
+                append_rows(path, BAD_IMAGE_COLUMNS, [
+                    {"path": file, "split": split, "first_epoch": epoch, "reason": reason}
+                    for file, reason in reasons.items() if file not in listed])
             where = f"e.g. {files[0]}; all listed in {path}" if files else f"listed in {path}"
         else:
             shown = 5
@@ -336,9 +538,25 @@ class RunLog:
                 if result.best_epoch is not None else "")
         self.info(f"{done} {result.epochs_run} epochs in {_format_duration(result.seconds)} ({result.seconds:.1f} s)"
                   f"{best}")
-        self.info(f"run directory: {self.run_dir}\n"
-                  f"  metrics:     {self.run_dir / 'metrics.csv'}\n"
-                  f"  config:      {self.run_dir / 'config.json'}\n"
-                  f"  per class:   {self.run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n"
-                  f"  checkpoints: {self.run_dir / CHECKPOINT_NAME} (the newest; best: model_best.pth.tar)\n"
-                  f"  TensorBoard: tensorboard --logdir {self.run_dir.parent}")
+
+        run_dir = self.run_dir
+
+        def entry(label: str, path: Path, detail: str, *names: str) -> Optional[str]:
+            """A closing line for a file of the run: none for a file never written (a run stopped
+            before its first epoch ended); marked where writes failed (a full disk)."""
+            why = [self.unwritten[name] for name in names if name in self.unwritten]
+            if not path.exists():
+                return f"  {label + ':':13}{path} [NOT WRITTEN: {why[0]}]" if why else None
+            return f"  {label + ':':13}{path}{detail}" + (f" [INCOMPLETE: writes failed ({why[0]})]" if why else "")
+
+        best_report = " (best epoch: val_report_best.csv)" if (run_dir / "val_report_best.csv").exists() else ""
+        best_checkpoint = "; best: model_best.pth.tar" if (run_dir / BEST_NAME).exists() else ""
+        lines = [entry("metrics", run_dir / "metrics.csv", "", "metrics.csv"),
+                 entry("config", run_dir / "config.json", ""),
+                 entry("per class", run_dir / "val_report.csv", best_report, "val_report.csv", "val_report_best.csv"),
+                 entry("checkpoints", run_dir / CHECKPOINT_NAME, f" (the newest{best_checkpoint})", "checkpoints"),
+                 entry("I/O", run_dir / "io.csv", "", "io.csv"),
+                 f"  {'TensorBoard:':13}tensorboard --logdir {run_dir.parent}"
+                 + next((f" [INCOMPLETE: writes failed ({self.unwritten[name]})]" for name in
+                         ("the TensorBoard events", "the TensorBoard events of steps/") if name in self.unwritten), "")]
+        self.info("\n".join([f"run directory: {run_dir}", *(line for line in lines if line is not None)]))

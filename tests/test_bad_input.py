@@ -75,13 +75,15 @@ def test_resume_missing_file(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("content", [b"", b"this is not a checkpoint", b"PK\x03\x04broken zip"])
-def test_resume_unreadable_file(tmp_path, content):
+@pytest.mark.parametrize("content, problem", [(b"", "is not a readable checkpoint (damaged: the file is empty)"),
+                                              (b"this is not a checkpoint", "is not a PyTorch checkpoint (text, "),
+                                              (b"PK\x03\x04broken zip", "is not a readable checkpoint (damaged: ")])
+def test_resume_unreadable_file(tmp_path, content, problem):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1)
     damaged = tmp_path / "damaged.pth.tar"
     damaged.write_bytes(content)
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--resume", damaged, "--logdir", tmp_path / "runs"])
-    assert_usage_error(result, "--resume", str(damaged), "not a readable checkpoint")
+    assert_usage_error(result, "--resume", f"{damaged} {problem}")
     assert damaged.read_bytes() == content
     assert not (tmp_path / "runs").exists()
 
@@ -223,5 +225,6 @@ def test_crafted_checkpoint_is_refused_by_resume_and_evaluate_without_running_it
     torch.save({"state_dict": {}, "epoch": 3, "payload": RunsCode(str(marker))}, evil)
     for extra in ([], ["--evaluate"]):
         result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--resume", evil, *extra, "--logdir", tmp_path / "r"])
-        assert_usage_error(result, f"argument --resume: {evil} is not a readable checkpoint")
+        assert_usage_error(result, f"argument --resume: {evil} holds code (posix.mknod, which loading it would "
+                                   f"call); refused")
         assert not marker.exists() and not (tmp_path / "r").exists()

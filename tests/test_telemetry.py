@@ -297,3 +297,33 @@ def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_pat
         rows = list(csv.DictReader(handle))
     assert rows == [{"epoch": "0", "split": "train", "loss": "2.5", "macro_f1": ""},
                     {"epoch": "1", "split": "val", "loss": "1.5", "macro_f1": "40.0"}]
+
+
+def test_the_closing_lines_name_only_the_files_the_run_wrote(tmp_path, capsys):
+    """A run stopped before its first epoch ended has no metrics, report or checkpoint: its closing
+    lines must not send the user looking for them; once they exist, they are named."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    log = telemetry.RunLog(distributed.single_process("cpu"))
+    log.run_dir = run_dir
+    log.finish(engine.FitResult(epochs_run=0, seconds=3.0, best_acc1=float("-inf"), best_epoch=None), stopped=True)
+    closing = capsys.readouterr().out.splitlines()
+    assert closing[1:] == [f"run directory: {run_dir}", f"  config:      {run_dir / 'config.json'}",
+                           f"  TensorBoard: tensorboard --logdir {tmp_path}"]
+    for name in ("metrics.csv", "val_report.csv", rundir.CHECKPOINT_NAME, "io.csv"):
+        (run_dir / name).write_text("")
+    log.finish(engine.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
+    closing = capsys.readouterr().out.splitlines()
+    assert closing[2:] == [f"  metrics:     {run_dir / 'metrics.csv'}", f"  config:      {run_dir / 'config.json'}",
+                           f"  per class:   {run_dir / 'val_report.csv'}",
+                           f"  checkpoints: {run_dir / rundir.CHECKPOINT_NAME} (the newest)",
+                           f"  I/O:         {run_dir / 'io.csv'}", f"  TensorBoard: tensorboard --logdir {tmp_path}"]
+    (run_dir / rundir.BEST_NAME).write_text("")
+    (run_dir / "val_report_best.csv").write_text("")
+    log.unwritten["checkpoints"] = "No space left on device"
+    log.finish(engine.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
+    closing = capsys.readouterr().out
+    assert f"  per class:   {run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n" in closing
+    assert (f"  checkpoints: {run_dir / rundir.CHECKPOINT_NAME} (the newest; best: model_best.pth.tar) "
+            f"[INCOMPLETE: writes failed (No space left on device)]\n") in closing
