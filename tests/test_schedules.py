@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from common.errors import UsageError
 from common.schedules import LRSchedule, scaled_lr
 
 
@@ -11,6 +12,15 @@ def test_linear_scaling_rule():
     assert scaled_lr(0.1, 1024) == 0.4
     assert scaled_lr(0.1, 64) == 0.025
     assert scaled_lr(0.1, 208 * 64) == pytest.approx(5.2)  # the upstream 64-GPU run: 0.1 x 13312/256
+
+
+def test_a_scaled_rate_that_overflows_is_the_users_mistake_in_one_line():
+    """--lr is checked to be a positive float, yet 1e308 x 512/256 is inf: training would run on NaN
+    weights until the first checkpoint refused them."""
+    assert scaled_lr(1e300, 512) == 2e300
+    with pytest.raises(UsageError, match=r"^argument --lr: 1e\+308 scaled to the global batch of 512 is inf, not a "
+                                         r"usable rate$"):
+        scaled_lr(1e308, 512)
 
 
 def test_step_schedule_multiplies_by_a_tenth_at_30_60_80():
