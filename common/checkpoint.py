@@ -18,6 +18,7 @@ be read or is damaged.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pickle
 import random
@@ -447,20 +448,27 @@ class Checkpointer:
              is_best: bool) -> Optional[Path]:
         """Write the state at step `step` (`images_done` images) of `epoch`
         (after an epoch: the next one at step 0). The new file's path on the
-        primary, None elsewhere."""
+        primary, None elsewhere. A write that fails (a full disk) raises
+        OSError on every process (a collective: all learn it from the primary),
+        and the position is not taken for saved: a stop there writes anew."""
         self.check_weights(self.model, f"the checkpoint at epoch {epoch} step {step}")
+        failure = None
+        if self.ctx.is_primary:
+            facts = self.facts
+            state = training_state(
+                model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(), epoch=epoch,
+                step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self.best_acc1,
+                best_epoch=self.best_epoch, arch=facts.arch, classes=self.classes, config=facts.config,
+                world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
+            )
+            try:
+                self.last_path = save(state, self.run_dir, is_best, keep=facts.keep_checkpoints)
+            except OSError as error:
+                failure = error
+        if broadcast_from_primary(failure is not None, self.ctx):
+            raise failure or OSError(errno.EIO, "the primary process could not write the checkpoint")
         self._last_position = (epoch, images_done)
-        if not self.ctx.is_primary:
-            return None
-        facts = self.facts
-        state = training_state(
-            model=self.model, optimizer=self.optimizer, precision_state=self.precision.state_dict(), epoch=epoch,
-            step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self.best_acc1,
-            best_epoch=self.best_epoch, arch=facts.arch, classes=self.classes, config=facts.config,
-            world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
-        )
-        self.last_path = save(state, self.run_dir, is_best, keep=facts.keep_checkpoints)
-        return self.last_path
+        return self.last_path if self.ctx.is_primary else None
 
     def save_mid_epoch(self, epoch: int, step: int, images_done: int, partial_epoch: dict, steps: int,
                        stopping: bool, log) -> Optional[Path]:
@@ -472,12 +480,13 @@ class Checkpointer:
             return self.last_path
         try:
             path = self.save(epoch, step, images_done, partial_epoch, is_best=False)
-        except OSError as error:  # a full disk, say: the others would wait for the primary until --dist-timeout
+        except OSError as error:  # a full disk, say (every process learns it in save)
             if stopping:
                 raise
             log.info(f"warning: could not write the checkpoint of epoch {epoch} step {step} ({error}); "
                      f"training goes on, and the next checkpoint tries again")
-            return self.last_path
+            log.write_failed("checkpoints", error.strerror or str(error), later=None)  # marked in the closing lines
+            return self.last_path if self.ctx.is_primary else None
         if not stopping:
             log.info(f"checkpoint: epoch {epoch} step {step}/{steps} saved to {path}")
         return path

@@ -35,7 +35,7 @@ from common.config import Config
 from common.data import BadImages, Loaders, derived_seed
 from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
                                 broadcast_from_primary)
-from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, one_line
+from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.pipelines import DeviceInput
@@ -576,7 +576,14 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
             set_aside = run_dir.set_aside_after(start.start_epoch, start.images_done, start.path)
             if set_aside is not None:
                 log.info(f"resuming at epoch {start.start_epoch} step {start.step}, {set_aside}")
-        log.start_run(cfg, start, resolved, run_dir)
+        failure = None
+        try:
+            log.start_run(cfg, start, resolved, run_dir)  # config.json: on the primary
+        except UsageError as error:  # it could not be written (a full disk)
+            failure = str(error)
+        failure = broadcast_from_primary(failure, ctx)  # every process ends alike, none left waiting
+        if failure is not None:
+            raise UsageError(failure)
         io_sampler = measure.start_io_sampler(cfg, ctx)
         checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr),
                                     loaders.classes, start, run_dir.path if run_dir is not None else None,

@@ -46,8 +46,16 @@ _ESCAPED_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(32), 127, 0
 
 def one_line(text: str) -> str:
     """`text` as one line, whatever a quoted path or value in it holds (a
-    newline in a file name): control characters are shown escaped."""
-    return text.translate(_ESCAPED_CONTROLS)
+    newline in a file name): control characters are shown escaped (and
+    undecodable bytes, as printable does)."""
+    return printable(text).translate(_ESCAPED_CONTROLS)
+
+
+def printable(text: str) -> str:
+    """`text` with the bytes of a file name that is not valid UTF-8 (which
+    Python hands over as lone surrogates) shown as \\xNN: printed as they
+    are, they would raise UnicodeEncodeError on a UTF-8 terminal or log."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def error_summary(error: BaseException, line: int = 0, limit: int = 200) -> str:

@@ -39,7 +39,7 @@ from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
 
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
-from common.errors import UsageError
+from common.errors import UsageError, error_summary
 from common.launch import restart_name
 
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
@@ -51,6 +51,10 @@ _TEMPORARY_NAME = re.compile(r"^\..+\.tmp(-\d+)?$")
 # What a resume from an earlier position sets aside (besides the newer checkpoint files).
 _RESULT_FILES = ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
                  "confusion_matrix.npy", "confusion_matrix_best.npy")
+# How the run's CSV files are opened: a file name that is not valid UTF-8 (bad_images.csv lists
+# unreadable files by name) is kept as its own bytes, both ways, instead of failing the write or a
+# later read of the file.
+CSV_TEXT = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
 MIB = 2 ** 20
 # Room for the logs besides the checkpoints: metrics, TensorBoard events, reports (a 90-epoch ImageNet run
 # writes a few MiB).
@@ -155,7 +159,7 @@ def rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     write that fails (a full disk) raises and leaves the old file as it was."""
     temporary = path.with_name(f".{path.name}.tmp")
     try:
-        with open(temporary, "w", newline="") as handle:
+        with open(temporary, "w", **CSV_TEXT) as handle:
             writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
@@ -174,7 +178,7 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     (a new one removed), never left with half a row, nor shorter."""
     new_file = not path.is_file()
     if not new_file:
-        with open(path, newline="") as handle:  # the header only, unless it differs (io.csv grows long)
+        with open(path, **CSV_TEXT) as handle:  # the header only, unless it differs (io.csv grows long)
             header = next(csv.reader(handle), None)
             old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
         if old_rows is not None:
@@ -184,8 +188,7 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     if new_file:
         writer.writeheader()
     writer.writerows(rows)
-    # surrogateescape: a file name that is not valid UTF-8 (bad_images.csv) is written as its own bytes
-    append_whole(path, text.getvalue().encode("utf-8", "surrogateescape"), remove_if_new=new_file)
+    append_whole(path, text.getvalue().encode(CSV_TEXT["encoding"], CSV_TEXT["errors"]), remove_if_new=new_file)
 
 
 def append_whole(path: Path, data: bytes, remove_if_new: bool = True) -> None:
@@ -386,8 +389,14 @@ class RunLock:
         previous = _read_lock_record(descriptor)
         mine = {"host": socket.gethostname(), "pid": os.getpid(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds")}
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, (json.dumps(mine) + "\n").encode(), 0)
+        try:
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, (json.dumps(mine) + "\n").encode(), 0)
+        except OSError as error:  # a full disk: a file needs no room, its first bytes do
+            with contextlib.suppress(OSError):
+                path.unlink()  # ours to remove: we hold its lock
+            os.close(descriptor)
+            raise UsageError(f"argument {flag}: cannot write {path} ({error.strerror})") from None
         if previous and (previous.get("host"), previous.get("pid")) != (mine["host"], mine["pid"]):
             print(f"warning: {run_dir} was still locked by {_describe_holder(previous)}, which is gone (killed, "
                   f"or its node failed): taking the lock over", file=sys.stderr, flush=True)
@@ -483,12 +492,15 @@ class RunDirectory:
                     lock = RunLock.take(path, _directory_flag(cfg))
                     stuck = _remove_leftover_temporaries(path, may_remove=lock.held)
                     _check_room(path, resuming, cfg.keep_checkpoints, checkpoint_bytes, stuck)
-                except UsageError:
+                except (UsageError, OSError) as error:
                     if lock is not None:
                         lock.release(remove=not resuming)
                     if not resuming:
                         with contextlib.suppress(OSError):
                             path.rmdir()  # only if still empty: nothing written is ever removed
+                    if isinstance(error, OSError):  # listing it, or its free space, failed
+                        raise UsageError(f"argument {_directory_flag(cfg)}: cannot use {path} "
+                                         f"({error.strerror or error_summary(error)})") from None
                     raise
                 run_dir = RunDirectory(path, resuming, lock)
             except UsageError as error:
@@ -515,7 +527,7 @@ class RunDirectory:
         path = self.path / "metrics.csv"
         rows, columns = [], []
         if path.is_file():
-            with open(path, newline="") as handle:
+            with open(path, **CSV_TEXT) as handle:
                 reader = csv.DictReader(handle)
                 rows, columns = list(reader), list(reader.fieldnames or [])
         kept = [row for row in rows if int(row["epoch"]) < start_epoch]

@@ -35,11 +35,11 @@ from common.checkpoint import ResumePoint
 from common.config import Config
 from common import hardware
 from common.distributed import Context
-from common.errors import UsageError, one_line
+from common.errors import UsageError, one_line, printable
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
-from common.rundir import (BEST_NAME, CHECKPOINT_NAME, RunDirectory, append_rows, append_whole, atomic_write,
-                           format_bytes)
+from common.rundir import (BEST_NAME, CHECKPOINT_NAME, CSV_TEXT, RunDirectory, append_rows, append_whole,
+                           atomic_write, format_bytes)
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 
@@ -66,7 +66,7 @@ def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_
     percent) and the confusion counts as .npy, each written whole and then
     renamed into place, so a reader never sees half a file, and a write that
     fails (a full disk) leaves the previous one as it was."""
-    with _replaced(csv_path) as temporary, open(temporary, "w", newline="") as handle:
+    with _replaced(csv_path) as temporary, open(temporary, "w", **CSV_TEXT) as handle:  # class names as on disk
         writer = csv.writer(handle)
         writer.writerow(["epoch", "class", "precision_percent", "recall_percent", "f1_percent", "support"])
         for name, precision, recall, f1, support in zip(classes, report.precision, report.recall, report.f1,
@@ -292,7 +292,10 @@ class EventWriter:
         try:  # tensorboard's EventFileWriter (2.x): the file its thread writes, wrapped; see _FailSafeFile
             events = self._writer.file_writer.event_writer
             records = events._async_writer._writer
-            self._file = records._writer = _FailSafeFile(records._writer, Path(events._file_name))
+            # Only tensorboard's own file (without TensorFlow installed) writes each record through to the
+            # file, which _FailSafeFile's cut-back needs; TensorFlow's buffers them.
+            if type(records._writer).__module__.startswith("tensorboard.compat.tensorflow_stub"):
+                self._file = records._writer = _FailSafeFile(records._writer, Path(events._file_name))
         except AttributeError:  # another version: its failures come out of add_scalar and flush instead
             pass
 
@@ -327,7 +330,7 @@ class EventWriter:
 
 class RunLog:
     """Console, metrics.csv and TensorBoard sinks of one run. One class of
-    ~220 lines because its methods are the events of a run (start, epoch end,
+    ~240 lines because its methods are the events of a run (start, epoch end,
     unreadable images, evaluation, finish), each written to every sink by the
     primary alone, and each sink's write failures handled alike (see
     _writing): splitting it by sink would repeat those rules in each."""
@@ -369,7 +372,7 @@ class RunLog:
 
     def info(self, message: str) -> None:
         if self.is_primary:
-            print(message, flush=True)
+            print(printable(message), flush=True)
 
     def explain_skipped_steps(self, precision_status: dict) -> None:
         """Say once, at the first skipped steps since this process started (a
@@ -500,7 +503,7 @@ class RunLog:
             path = self.run_dir / "bad_images.csv"
             listed = set()
             if path.is_file():
-                with open(path, newline="") as handle:
+                with open(path, **CSV_TEXT) as handle:
                     listed = {row["path"] for row in csv.DictReader(handle)}
             with self._writing("bad_images.csv"):
                 append_rows(path, BAD_IMAGE_COLUMNS, [

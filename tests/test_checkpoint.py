@@ -268,3 +268,46 @@ def test_resume_auto_passes_over_a_fifo_named_like_a_checkpoint(tmp_path):
     worker.join(timeout=30)
     assert not worker.is_alive(), "newest_readable waits on the FIFO"
     assert found == [(Path(older), [])]
+
+
+class _Said:
+    def __init__(self):
+        self.lines, self.unwritten = [], {}
+
+    def info(self, message):
+        self.lines.append(message)
+
+    def write_failed(self, name, why, later=None):
+        self.unwritten[name] = why
+
+
+def test_a_checkpoint_that_failed_to_write_is_not_taken_for_saved(tmp_path, monkeypatch):
+    """After an epoch-end save that failed (a full disk; the run goes on), a stop at step 0 of the
+    next epoch must write its own checkpoint, not report the older file as the stop's."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = parse("nd", ["--synthetic"])
+    facts = checkpoint.RunFacts.of(cfg, global_batch=4, lr=0.1)
+    saver = checkpoint.Checkpointer(model, optimizer, precision=_NoScaler(), ctx=single_process("cpu"), facts=facts,
+                                    classes=["a", "b"], start=checkpoint.ResumePoint(start_epoch=0),
+                                    run_dir=tmp_path)
+    real_save = checkpoint.save
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save", disk_full)
+    with pytest.raises(OSError):
+        saver.save(1, 0, 0, None, is_best=True)
+    assert not saver.holds(1, 0) and saver.last_path is None
+    said = _Said()
+    assert saver.save_mid_epoch(1, 3, 12, {}, steps=10, stopping=False, log=said) is None  # periodic: warned
+    assert said.unwritten == {"checkpoints": "No space left on device"} and "training goes on" in said.lines[0]
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    path = saver.save_mid_epoch(1, 0, 0, {}, steps=10, stopping=True, log=said)  # the stop writes its own
+    assert path == tmp_path / rundir.kept_name(1, 0) and path.is_file() and saver.holds(1, 0)
+
+
+class _NoScaler:
+    def state_dict(self):
+        return {}

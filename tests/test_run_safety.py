@@ -59,6 +59,24 @@ def _open(logdir: Path, name: str = "X", checkpoint_bytes=None) -> rundir.RunDir
     return rundir.RunDirectory.open(cfg, single_process("cpu"), checkpoint_bytes)
 
 
+def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_directory(tmp_path, monkeypatch):
+    """A full disk still creates run.lock (an inode) but not its record: one line naming the file,
+    as the free-space check would have said, and the new run directory removed again."""
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "pwrite", disk_full)
+    with pytest.raises(UsageError, match=r"^argument --run-name: cannot write .*/X/run\.lock \(No space left on "
+                                         r"device\)$"):
+        _open(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(rundir.shutil, "disk_usage", disk_full)  # and what is checked after the lock is taken
+    with pytest.raises(UsageError, match=r"^argument --run-name: cannot use .*/X \(No space left on device\)$"):
+        _open(tmp_path, checkpoint_bytes=10)
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- item 4: two runs in one run directory ---
 
 @pytest.mark.slow
@@ -91,7 +109,10 @@ def test_a_stale_lock_is_taken_over_and_said_and_a_released_one_silently(tmp_pat
     assert len(said) == 1 and said[0].startswith(f"warning: {run_dir} was still locked by pid {gone.pid} on host "
                                                  f"{socket.gethostname()}"), said
     assert said[0].endswith("which is gone (killed, or its node failed): taking the lock over")
-    assert json.loads((run_dir / rundir.LOCK_NAME).read_text())["pid"] == os.getpid()
+    # Read by another process: closing a descriptor of run.lock here would drop this process's lock.
+    record = subprocess.check_output([sys.executable, "-c", "import sys; print(open(sys.argv[1]).read())",
+                                      str(run_dir / rundir.LOCK_NAME)], text=True)
+    assert json.loads(record)["pid"] == os.getpid()
     opened.close()  # a run that ends releases it: the next start has nothing to say
     assert (run_dir / rundir.LOCK_NAME).read_text() == ""
     _open(tmp_path / "runs").close()

@@ -327,3 +327,19 @@ def test_the_closing_lines_name_only_the_files_the_run_wrote(tmp_path, capsys):
     assert f"  per class:   {run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n" in closing
     assert (f"  checkpoints: {run_dir / rundir.CHECKPOINT_NAME} (the newest; best: model_best.pth.tar) "
             f"[INCOMPLETE: writes failed (No space left on device)]\n") in closing
+
+
+def test_unreadable_files_whose_names_are_not_utf8_are_listed_as_their_own_bytes(tmp_path, capsys):
+    """os.scandir hands such names over with surrogate escapes; bad_images.csv must take them, and
+    be read again for the next split's list, without a UnicodeError ending the run on rank 0."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = telemetry.RunLog(distributed.single_process("cpu"))
+    log.run_dir = run_dir
+    odd = os.fsdecode(b"train/n01/caf\xe9.JPEG")
+    log.bad_images(0, "train", 1, {odd: "truncated"})
+    log.bad_images(0, "val", 2, {odd: "truncated", "val/n01/b.JPEG": "empty file"})
+    assert (run_dir / "bad_images.csv").read_bytes().splitlines()[1:] == [
+        b"train/n01/caf\xe9.JPEG,train,0,truncated", b"val/n01/b.JPEG,val,0,empty file"]
+    said = capsys.readouterr().out
+    assert "could not write" not in said and "e.g. train/n01/caf\\xe9.JPEG (truncated)" in said
