@@ -38,7 +38,7 @@ from torch.utils.data import default_collate
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
-from common.launch import data_loader_worker_init
+from common.launch import data_loader_context, data_loader_worker_init
 from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, JpegDecoder, PILImages, TensorImages,
                               choose_jpeg_decoder, stack_images, train_transform, val_transform)
 
@@ -515,16 +515,20 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     pin_memory = ctx.device.type == "cuda"
     # Workers die with their training process, even if it is killed with SIGKILL.
     worker_init_fn = data_loader_worker_init if cfg.workers else None
+    # ... and leave stop signals from other processes to it, whatever threads libraries start in them.
+    worker_context = data_loader_context() if cfg.workers else None
     train = DataLoader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
-        pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
+        pin_memory=pin_memory, worker_init_fn=worker_init_fn, multiprocessing_context=worker_context,
+        collate_fn=collate,
         # The sampler yields whole batches only: a partial one would skew BatchNorm statistics.
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )
     val = DataLoader(
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
-        num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn, collate_fn=collate,
+        num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+        multiprocessing_context=worker_context, collate_fn=collate,
     )
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
                    notes=notes, jpeg_decoder=decoder)

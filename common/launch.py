@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import os
 import re
 import signal
@@ -232,6 +233,37 @@ def data_loader_worker_init(worker_id: int) -> None:
     # one and looks at its sender.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_exit_on_sigterm_from_parent, daemon=True, name="sigterm-from-parent").start()
+
+
+class _WorkerProcess(multiprocessing.context.ForkProcess):
+    """A data-loading worker forked with SIGTERM blocked (see data_loader_context)."""
+
+    def start(self) -> None:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _WorkerContext(multiprocessing.context.ForkContext):
+    Process = _WorkerProcess
+
+
+def data_loader_context() -> Optional[multiprocessing.context.BaseContext]:
+    """The multiprocessing context for DataLoader workers: fork, as on Linux
+    by default, but with SIGTERM blocked from the child's first instruction.
+    Threads that libraries start in the child before data_loader_worker_init
+    runs (at fork, or in torch.set_num_threads(1): seen once a gloo group has
+    joined) inherit that mask; started with SIGTERM open, any of them could
+    take a SIGTERM from another process (slurmstepd signals every process of
+    a job) and the worker would die of it. None (the default context) where
+    fork is not what multiprocessing uses here."""
+    method = multiprocessing.get_start_method(allow_none=True)  # None: not chosen yet (not fixed by asking)
+    default = "forkserver" if sys.version_info >= (3, 14) else "fork"  # Linux's, since Python 3.14 forkserver
+    if not sys.platform.startswith("linux") or (method or default) != "fork":
+        return None
+    return _WorkerContext()
 
 
 def _exit_on_sigterm_from_parent() -> None:

@@ -17,6 +17,7 @@ from common import distributed, launch, preemption
 from common.cli import parse
 from common.errors import STOPPED_EXIT_STATUS, UsageError
 from common.preemption import StopControl
+from conftest import free_port
 
 
 class Lines:
@@ -174,12 +175,31 @@ class _SlowIndices(torch.utils.data.Dataset):
         return torch.tensor([index, os.getpid()])
 
 
-def test_data_loading_workers_outlive_stop_signals_from_others_but_not_their_trainer():
+@pytest.fixture(params=["alone", "in a process group"])
+def trainer_process(request):
+    """The process that forks the data-loading workers: as it is, or as a
+    training process is after joining (a gloo group, its share of the CPU
+    threads), where a library starts a thread in each forked child."""
+    if request.param == "alone":
+        yield
+        return
+    threads = torch.get_num_threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+
+
+def test_data_loading_workers_outlive_stop_signals_from_others_but_not_their_trainer(trainer_process):
     """Slurm signals every process of the job: the data-loading workers must
     leave the stop to the trainer (it needs them for the steps up to the
     agreed one), yet still exit when the trainer itself stops them."""
     loader = torch.utils.data.DataLoader(_SlowIndices(), batch_size=4, num_workers=2,
-                                         worker_init_fn=launch.data_loader_worker_init)
+                                         worker_init_fn=launch.data_loader_worker_init,
+                                         multiprocessing_context=launch.data_loader_context())
     batches = iter(loader)
     indices, worker_pids = [], set()
     for step, batch in enumerate(batches):
