@@ -16,7 +16,6 @@ import csv
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import shlex
@@ -176,10 +175,11 @@ class ProgressMeter:
 
     def __init__(self, split: str, epoch: int, steps: int, world_size: int,
                  writer=None, first_step: int = 0, epochs: Optional[int] = None, validation_seconds: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, last_epoch_seconds_per_step: Optional[float] = None):
         self.split, self.epoch, self.steps, self.world_size = split, epoch, steps, world_size
         self.writer = writer
         self.epochs, self.validation_seconds = epochs, validation_seconds  # epochs: the run's (--epochs); None: unknown
+        self.last_epoch_seconds_per_step = last_epoch_seconds_per_step  # the last training epoch's, warm-up included
         self.width = len(str(steps))
         self.first_step = first_step  # after a mid-epoch resume, the steps before it ran in an earlier process
         self.clock = clock  # seconds, for tests
@@ -216,7 +216,12 @@ class ProgressMeter:
 
     def time_left(self, step: int, seconds_per_step: Optional[float]) -> str:
         """`  ETA 2m05s (run 1h10m)` after step `step`; `  ETA --` while no
-        step past the warm-up has been timed."""
+        step past the warm-up has been timed, in this epoch or (training) the
+        last one. The epochs still to come are counted at the last epoch's
+        wall time per step, its warm-up included, once there is one: each
+        epoch has its warm-up too."""
+        if self.split == "train" and seconds_per_step is None:
+            seconds_per_step = self.last_epoch_seconds_per_step
         if seconds_per_step is None:
             return "  ETA --"
         split_seconds = (self.steps - step - 1) * seconds_per_step
@@ -224,7 +229,8 @@ class ProgressMeter:
         if self.split == "train" and self.epochs is not None:
             epochs_after = max(self.epochs - self.epoch - 1, 0)
             run_seconds = split_seconds + self.validation_seconds + run_seconds_left(
-                epochs_after, self.steps, seconds_per_step, self.validation_seconds)
+                epochs_after, self.steps, self.last_epoch_seconds_per_step or seconds_per_step,
+                self.validation_seconds)
             text += f" (run {_format_time_left(run_seconds)})"
         return text
 
@@ -346,6 +352,7 @@ class RunLog:
         self.wall_clock = wall_clock
         self.epochs: Optional[int] = None  # the run's --epochs (start_run), for the time left; None: not known
         self._validation_seconds = 0.0  # the last validation pass's wall time, for the time left
+        self._epoch_seconds_per_step: Optional[float] = None  # the last training epoch's wall time per step
         # Files of the run whose writes failed (a full disk), and why: each said once, and named at the finish.
         self.unwritten: Dict[str, str] = {}
 
@@ -390,7 +397,7 @@ class RunLog:
             return _SilentProgress()
         return ProgressMeter(split, epoch, steps, self.ctx.world_size,
                              self._step_writer if split == "train" else None, first_step, self.epochs,
-                             self._validation_seconds)
+                             self._validation_seconds, last_epoch_seconds_per_step=self._epoch_seconds_per_step)
 
     def start_run(self, cfg: Config, start: ResumePoint, resolved: dict, run_dir: Optional[RunDirectory]) -> None:
         """Record the run's configuration in its directory (config.json, or a
@@ -465,6 +472,8 @@ class RunLog:
                     write_class_report(report, classes, val.epoch, self.run_dir / "val_report_best.csv",
                                        self.run_dir / "confusion_matrix_best.npy")
         self._validation_seconds = val.seconds
+        if train.steps:
+            self._epoch_seconds_per_step = train.seconds / train.steps
         warmup = f" after {train.warmup_steps} warm-up steps" if train.warmup_steps else ""
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
@@ -479,14 +488,12 @@ class RunLog:
 
     def _run_end(self, train: EpochMetrics, val: EpochMetrics) -> str:
         """`  | run ends ~ 14:32 (2h05m left)` after epoch `val.epoch`, from
-        this epoch's mean step time (warm-up left out) and validation time;
+        this epoch's wall time per step (warm-up included) and validation time;
         empty after the last epoch, or when --epochs is not known."""
         epochs_after = (self.epochs or 0) - val.epoch - 1
         if epochs_after <= 0:
             return ""
-        seconds_per_step = train.seconds_per_step
-        if not math.isfinite(seconds_per_step):  # no step timed (a split within its warm-up): the wall time
-            seconds_per_step = train.seconds / max(train.steps, 1)
+        seconds_per_step = train.seconds / max(train.steps, 1)  # wall time: each epoch has its warm-up too
         seconds_left = run_seconds_left(epochs_after, train.steps, seconds_per_step, val.seconds)
         now = self.wall_clock()
         return f"  | run ends ~ {_format_clock(now + seconds_left, now)} ({_format_time_left(seconds_left)} left)"

@@ -289,3 +289,16 @@ def test_a_run_whose_disk_fills_warns_and_stops_with_one_line_and_status_74(tmp_
     assert "[INCOMPLETE: writes failed (No space left on device)]" in out
     assert rows[:2] and all(None not in row for row in rows)  # whole rows only, epoch 0's among them
     assert newest_epoch == 1  # the newest checkpoint is whole: epoch 0's
+
+
+def test_after_the_first_epoch_the_warm_up_shows_the_time_left_and_the_run_counts_whole_epochs():
+    """Every epoch has its warm-up steps: once an epoch has ended, its wall time per step (warm-up
+    included) stands in while the next one warms up, and prices the epochs still to come."""
+    meter = telemetry.ProgressMeter("train", 1, steps=10, world_size=1, epochs=3, validation_seconds=5.0,
+                                    last_epoch_seconds_per_step=0.8)
+    # Within the warm-up: 9 steps left at 0.8 s; the run: + 5 s of validation + 1 epoch x (10 x 0.8 s + 5 s).
+    assert meter.time_left(0, None) == "  ETA 0m07s (run 0m25s)"
+    # Past it: this epoch's own mean for its steps left, the last epoch's for the epochs to come.
+    assert meter.time_left(4, 0.5) == "  ETA 0m02s (run 0m20s)"  # 2.5 + 5 + 13 s
+    assert telemetry.ProgressMeter("val", 1, steps=10, world_size=1,
+                                   last_epoch_seconds_per_step=0.8).time_left(0, None) == "  ETA --"
