@@ -35,7 +35,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
+from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO, Tuple
 
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
@@ -46,7 +46,7 @@ CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
 _KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
 LOCK_NAME = "run.lock"  # held by the run writing in the directory (RunLock)
-# The temporary files of atomic_write and _link_atomically (.<name>.tmp-<pid>) and rewrite_rows (.<name>.tmp).
+# The temporary files of atomic_write and _link_atomically (.<name>.tmp-<pid>), and of older versions (.<name>.tmp).
 _TEMPORARY_NAME = re.compile(r"^\..+\.tmp(-\d+)?$")
 # What a resume from an earlier position sets aside (besides the newer checkpoint files).
 _RESULT_FILES = ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
@@ -98,6 +98,19 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     finally:
         if temporary.exists():
             temporary.unlink()
+
+
+def atomic_write_text(path: Path, write: Callable[[TextIO], None]) -> None:
+    """atomic_write for text (CSV_TEXT's encoding: names that are not valid
+    UTF-8 are kept as their bytes)."""
+    def write_text(handle: BinaryIO) -> None:
+        text = io.TextIOWrapper(handle, encoding=CSV_TEXT["encoding"], errors=CSV_TEXT["errors"],
+                                newline=CSV_TEXT["newline"])
+        write(text)
+        text.flush()
+        text.detach()  # atomic_write flushes and closes the file itself
+
+    atomic_write(path, write_text)
 
 
 def sync_directory(folder: Path) -> None:
@@ -157,16 +170,12 @@ def rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     """Replace a CSV file by these rows under these columns (a new file
     renamed over it: later appends never reach a copy kept by a link). A
     write that fails (a full disk) raises and leaves the old file as it was."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(temporary, "w", **CSV_TEXT) as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(temporary, path)
-    finally:
-        with contextlib.suppress(OSError):  # there only when the write failed
-            temporary.unlink()
+    def write(handle: TextIO) -> None:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+    atomic_write_text(path, write)
 
 
 def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:

@@ -38,7 +38,7 @@ from common.errors import UsageError, one_line, printable
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
 from common.rundir import (BEST_NAME, CHECKPOINT_NAME, CSV_TEXT, RunDirectory, append_rows, append_whole,
-                           atomic_write, format_bytes)
+                           atomic_write, atomic_write_text, format_bytes)
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 
@@ -65,7 +65,7 @@ def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_
     percent) and the confusion counts as .npy, each written whole and then
     renamed into place, so a reader never sees half a file, and a write that
     fails (a full disk) leaves the previous one as it was."""
-    with _replaced(csv_path) as temporary, open(temporary, "w", **CSV_TEXT) as handle:  # class names as on disk
+    def write_csv(handle) -> None:
         writer = csv.writer(handle)
         writer.writerow(["epoch", "class", "precision_percent", "recall_percent", "f1_percent", "support"])
         for name, precision, recall, f1, support in zip(classes, report.precision, report.recall, report.f1,
@@ -75,23 +75,11 @@ def write_class_report(report: ClassReport, classes: List[str], epoch: int, csv_
         writer.writerow([epoch, f"macro avg ({present} classes with images)", f"{report.macro(report.precision):.4f}",
                          f"{report.macro(report.recall):.4f}", f"{report.macro_f1:.4f}", int(report.support.sum())])
         writer.writerow([epoch, "micro avg", *(f"{report.micro:.4f}",) * 3, int(report.support.sum())])
+
+    atomic_write_text(csv_path, write_csv)  # class names as on disk
     if report.confusion is None:  # too many classes to keep the matrix (MetricSums.CONFUSION_MAX_CLASSES)
         return
-    with _replaced(npy_path) as temporary, open(temporary, "wb") as handle:
-        np.save(handle, report.confusion)
-
-
-@contextlib.contextmanager
-def _replaced(path: Path):
-    """A temporary name beside `path` to write to: renamed over `path` when
-    the write succeeds, removed when it fails."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        yield temporary
-        os.replace(temporary, path)
-    finally:
-        with contextlib.suppress(OSError):  # there only when the write failed
-            temporary.unlink()
+    atomic_write(npy_path, lambda handle: np.save(handle, report.confusion))
 
 
 def _cpu_model() -> str:
