@@ -19,21 +19,13 @@ from torch import nn
 from common.rundir import CHECKPOINT_NAME
 from common.meters import EpochMetrics
 from common.models import build_model
-from conftest import REPO, make_image_folder, run_script
+from conftest import REPO, is_timing_column, make_image_folder, run_script
 
 # Random crops and flips (the defaults) and BatchNorm, 6 steps of 4 images per epoch.
 RESNET = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b", "4", "-p", "100", "--epochs", "2"]
 # SqueezeNet 1.1's classifier starts with Dropout(p=0.5): the model's own randomness, seeded per step.
 SQUEEZENET = ["-a", "squeezenet1_1", "--image-size", "32", "--val-resize", "32", "-b", "4", "-p", "100",
               "--epochs", "2"]
-
-
-def is_timing_column(name: str) -> bool:
-    """Columns that measure time, speed or memory, which differ from run to run:
-    seconds, seconds_per_step, images_per_second(_per_gpu), data_wait_fraction,
-    wall_time, peak_memory_mib, host_memory_mib. Everything else (loss, accuracy,
-    counts, lr, dataset bytes, loss scale, ...) must repeat exactly."""
-    return any(word in name for word in ("second", "time", "wait", "memory", "mib", "rss"))
 
 
 KNOWN_TIMING_COLUMNS = {"seconds", "images_per_second", "seconds_per_step", "data_wait_fraction", "wall_time",

@@ -1,0 +1,481 @@
+"""A real Slurm cluster on this machine, for the tests that submit the batch files (issue 26).
+
+munged, slurmctld and one slurmd per node run as children of the test process, from a temporary
+directory: their configuration reaches every Slurm program through SLURM_CONF (nothing under
+/etc/slurm is written), the munge key is the cluster's own, and every PID is kept. With network
+namespaces, each node is a namespace joined to a bridge that holds the controller's address, with
+its own host name (a UTS namespace) and a line in /etc/hosts, so that two nodes, and a lost node,
+can be tried on one machine; without them the cluster is this machine alone, one node.
+
+stop() ends it all and restores what it changed: jobs cancelled, every process started with the
+cluster's SLURM_CONF killed, namespaces, links and /etc/hosts lines removed, exactly those that
+start() added. Tests use it through the session fixture in test_slurm.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "ip", "nsenter", "unshare")
+HOSTS_FILE = Path("/etc/hosts")
+TAG_VARIABLE = "IMAGENET_TEST_SLURM_CLUSTER"
+_CLUSTER_LETTERS = iter("abcdefghijklmnopqrstuvwxyz")
+# imn<PID of the process that made it><letter>, then br (bridge), v<i> (link), n<i> (namespace).
+_TAG = re.compile(r"\bimn(\d+)[a-z](?=br\b|v\d+\b|n\d+\b|\s|$)")
+
+
+def missing_reason(namespaces: bool) -> Optional[str]:
+    """Why this machine cannot run the cluster (None when it can)."""
+    if os.geteuid() != 0:
+        return "a real Slurm cluster needs root (slurmd runs jobs as their user)"
+    wanted = PROGRAMS if namespaces else PROGRAMS[:7]
+    absent = [name for name in wanted if shutil.which(name) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed (apt-get install slurm-wlm munge iproute2 util-linux)"
+    if namespaces:
+        probe = f"imn{os.getpid() % 100000}probe"
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+        if made.returncode != 0:
+            return f"no network namespaces here (ip netns add: {made.stderr.strip()})"
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    return None
+
+
+@dataclass
+class Node:
+    name: str
+    address: str
+    namespace: Optional[str] = None        # None: this machine itself
+    process: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+
+class SlurmCluster:
+    """A cluster of `node_count` nodes with `cpus_per_node` CPUs each, its files under `root`."""
+
+    def __init__(self, root: Path, node_count: int = 2, cpus_per_node: int = 2):
+        self.root = Path(root)
+        self.node_count = node_count
+        self.cpus_per_node = cpus_per_node
+        self.conf = self.root / "slurm.conf"
+        self.processes: List[subprocess.Popen] = []
+        self.nodes: List[Node] = []
+        self.bridge: Optional[str] = None
+        self.hosts_lines: List[str] = []
+        # Names of this cluster's links, namespaces and /etc/hosts lines: our PID (so that a later run
+        # can tell an abandoned cluster's from a live one's, sweep_abandoned) and a letter per cluster
+        # of this process; 15 characters at most with their suffixes, Linux's limit for a link name.
+        self.tag = f"imn{os.getpid()}{next(_CLUSTER_LETTERS)}"
+
+    # --- the environment a client (sbatch, scontrol) or a job needs ---
+    @property
+    def env(self) -> Dict[str, str]:
+        # TAG_VARIABLE marks every process of the cluster, jobs included, for sweep_abandoned.
+        return dict(os.environ, SLURM_CONF=str(self.conf), **{TAG_VARIABLE: self.tag})
+
+    def run(self, *argv: str, check: bool = True, env: Optional[dict] = None, timeout: float = 60,
+            cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+        result = subprocess.run(list(map(str, argv)), env=env or self.env, capture_output=True, text=True,
+                                timeout=timeout, cwd=cwd)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, argv))}: status {result.returncode}: {result.stderr.strip()}")
+        return result
+
+    # --- start ---
+    def start(self) -> "SlurmCluster":
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        for leftover in sweep_abandoned():
+            print(f"slurm_cluster: removed {leftover} of an earlier test cluster whose process is gone", file=sys.stderr)
+        for folder in ("munge", "state", "spool", "log"):
+            (self.root / folder).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        controller_address = self._make_network()
+        self._start_munge()
+        self._write_config(controller_address)
+        self._spawn(["slurmctld", "-D", "-f", self.conf], "slurmctld")
+        for node in self.nodes:
+            self.start_node(node)
+        self.wait_until_idle(timeout=60)
+
+    def _make_network(self) -> str:
+        hostname = socket.gethostname().split(".")[0]
+        if self.node_count == 1 and not self._want_namespaces():
+            self.nodes = [Node(hostname, "127.0.0.1")]
+            return "127.0.0.1"
+        subnet = self._free_subnet()
+        self.bridge = f"{self.tag}br"
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{subnet}.1/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for index in range(self.node_count):
+            name, namespace = f"node{chr(ord('A') + index)}", f"{self.tag}n{index}"
+            node = Node(name, f"{subnet}.{11 + index}", namespace)
+            self._ip("netns", "add", namespace)
+            self.nodes.append(node)
+            link = f"{self.tag}v{index}"
+            self._ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            self._ip("link", "set", link, "master", self.bridge)
+            self._ip("link", "set", link, "up")
+            self._ip("-n", namespace, "addr", "add", f"{node.address}/24", "dev", "eth0")
+            self._ip("-n", namespace, "link", "set", "eth0", "up")
+            self._ip("-n", namespace, "link", "set", "lo", "up")
+        # The node names must resolve everywhere: srun, torchrun's rendezvous and gloo look them up.
+        self._add_hosts_lines([f"{node.address} {node.name}  # {self.tag} test Slurm cluster" for node in self.nodes])
+        return f"{subnet}.1"
+
+    def _want_namespaces(self) -> bool:
+        return self.node_count > 1
+
+    def _free_subnet(self) -> str:
+        used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+        used += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+        for third in range(os.getpid() % 200, os.getpid() % 200 + 50):
+            subnet = f"10.213.{third % 250}"
+            if f" {subnet}." not in used:
+                return subnet
+        raise RuntimeError("no free 10.213.x.0/24 subnet for the test cluster")
+
+    def _ip(self, *argv: str) -> None:
+        self.run("ip", *argv, env=dict(os.environ))
+
+    def _add_hosts_lines(self, lines: List[str]) -> None:
+        text = HOSTS_FILE.read_text()
+        self.hosts_lines = lines
+        self.hosts_added = ("" if text.endswith("\n") or not text else "\n") + "".join(f"{line}\n" for line in lines)
+        # Written in place: in a container /etc/hosts is a mount point, which a rename cannot replace.
+        HOSTS_FILE.write_text(text + self.hosts_added)
+
+    def _start_munge(self) -> None:
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        os.chmod(key, 0o400)
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self._spawn(["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
+                     f"--pid-file={self.root / 'munge' / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
+                     f"--seed-file={self.root / 'munge' / 'munged.seed'}"], "munged")
+        _wait_for(lambda: self.munge_socket.exists(), 20, "munged's socket", self.root / "log" / "munged.log")
+
+    def _write_config(self, controller_address: str) -> None:
+        hostname = socket.gethostname().split(".")[0]
+        ctld_port, slurmd_port = _free_port(), _free_port()
+        lines = [
+            "ClusterName=imagenet-tests",
+            f"SlurmctldHost={hostname}({controller_address})",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            # cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+            f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            "SlurmUser=root",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root}/slurmd-%n.pid",
+            f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.root / 'log'}/slurmd-%n.log",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "SlurmdTimeout=10",      # a lost node is noticed within seconds, not the default 5 minutes
+            "SlurmctldTimeout=10",
+            "MessageTimeout=5",
+            "KillWait=20",
+            "MinJobAge=3600",        # finished jobs stay visible to scontrol for the whole test run
+            "InactiveLimit=0",
+            "SchedulerType=sched/builtin",
+        ]
+        lines += [f"NodeName={node.name} NodeAddr={node.address} CPUs={self.cpus_per_node} State=UNKNOWN"
+                  for node in self.nodes]
+        lines.append("PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def start_node(self, node: Node) -> None:
+        """Start (or start again) the node's slurmd, in its namespaces when it has them."""
+        command = ["slurmd", "-D", "-f", str(self.conf), "-N", node.name]
+        if node.namespace:
+            command = ["nsenter", f"--net=/run/netns/{node.namespace}", "unshare", "--uts", "sh", "-c",
+                       f'hostname "$0" && exec "$@"', node.name, *command]
+        node.process = self._spawn(command, f"slurmd-{node.name}-stdout")
+
+    def _spawn(self, command, log_name: str) -> subprocess.Popen:
+        log = open(self.root / "log" / f"{log_name}.out", "ab")
+        # A new session: Ctrl-C in the terminal reaches pytest, which then stops the cluster in order.
+        process = subprocess.Popen(list(map(str, command)), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    # --- nodes and jobs ---
+    def node_states(self) -> Dict[str, str]:
+        output = self.run("sinfo", "--noheader", "-N", "-o", "%N %T", check=False).stdout
+        return dict(line.split() for line in output.splitlines() if len(line.split()) == 2)
+
+    def wait_until_idle(self, timeout: float = 60) -> None:
+        """Every node up and idle (after a restart: resumed)."""
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                self.start_node(node)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.node_states()
+            if len(states) == len(self.nodes) and all(state == "idle" for state in states.values()):
+                return
+            for name, state in states.items():
+                if state.rstrip("*") in ("down", "drained", "draining", "fail"):
+                    self.run("scontrol", "update", f"NodeName={name}", "State=RESUME", check=False)
+            time.sleep(0.5)
+        raise RuntimeError(f"the test cluster's nodes are not idle after {timeout:.0f} s: {self.node_states()}\n"
+                           + self.log_tail())
+
+    def lose_node(self, node: Node) -> None:
+        """The node fails: its slurmd and every process in its network namespace die at once."""
+        assert node.namespace, "only a node in its own namespace can be lost"
+        for pid in self._namespace_pids(node.namespace):
+            _kill(pid, signal.SIGKILL)
+        if node.process is not None:
+            node.process.wait(timeout=10)
+
+    def submit(self, argv: List[str], env: dict, cwd: Path) -> int:
+        """sbatch argv...; returns the job id."""
+        result = self.run("sbatch", "--parsable", *argv, env=dict(env, SLURM_CONF=str(self.conf)), cwd=cwd)
+        return int(result.stdout.strip().split(";")[0].split("_")[0])
+
+    def job(self, job_id) -> Dict[str, str]:
+        """scontrol's fields of a job (JobState, Restarts, ExitCode, Reason, ...); of its first array task."""
+        output = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.splitlines()[0]
+        return dict(re.findall(r"(\w+)=(\S*)", output))
+
+    def wait_for_job(self, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+                     timeout: float = 300, poll_seconds: float = 0.5) -> Dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.job(job_id)
+            if job.get("JobState") in states:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.get('JobState')} after {timeout:.0f} s "
+                                   f"(waiting for {'/'.join(states)}): {job}\n{self.log_tail()}")
+            time.sleep(poll_seconds)
+
+    def log_tail(self, lines: int = 15) -> str:
+        parts = []
+        for log in sorted((self.root / "log").glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name}\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    # --- stop ---
+    def stop(self) -> List[str]:
+        """End the cluster and undo what start() did; returns what could not be undone (empty: all)."""
+        problems: List[str] = []
+        if self.conf.exists() and any(process.poll() is None for process in self.processes):
+            self.run("scancel", "--full", "--user=root", check=False, timeout=20)
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+        # Job steps (slurmstepd) and the jobs' processes left behind: all carry our SLURM_CONF.
+        for _ in range(3):
+            leftovers = self.leftover_pids()
+            for pid in leftovers:
+                _kill(pid, signal.SIGKILL)
+            if not leftovers:
+                break
+            time.sleep(0.5)
+        for node in self.nodes:
+            if node.namespace:
+                for pid in self._namespace_pids(node.namespace):
+                    _kill(pid, signal.SIGKILL)
+                result = subprocess.run(["ip", "netns", "delete", node.namespace], capture_output=True, text=True)
+                if result.returncode != 0 and Path(f"/run/netns/{node.namespace}").exists():
+                    problems.append(f"namespace {node.namespace}: {result.stderr.strip()}")
+        if self.bridge:
+            for index in range(self.node_count):   # veth ends go with their namespace; in case one did not
+                subprocess.run(["ip", "link", "delete", f"{self.tag}v{index}"], capture_output=True)
+            subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        if self.hosts_lines:
+            text = HOSTS_FILE.read_text()
+            if self.hosts_added in text:     # the file as it was found, byte for byte
+                text = text.replace(self.hosts_added, "", 1)
+            else:                            # edited since: take out our lines, keep the rest
+                text = "".join(line for line in text.splitlines(keepends=True)
+                               if line.rstrip("\n") not in self.hosts_lines)
+            HOSTS_FILE.write_text(text)
+            self.hosts_lines = []
+        return problems + self.traces()
+
+    def traces(self) -> List[str]:
+        """What of the cluster is still on the machine: processes, namespaces, links, /etc/hosts lines."""
+        found = [f"process {pid} still running" for pid in self.leftover_pids()]
+        for listing in (["ip", "netns", "list"], ["ip", "-o", "link"]):
+            text = subprocess.run(listing, capture_output=True, text=True).stdout
+            found += [f"{' '.join(listing[1:])}: {word.rstrip(':')}" for line in text.splitlines()
+                      for word in line.split() if self.tag in word]
+        hosts = HOSTS_FILE.read_text() if HOSTS_FILE.exists() else ""
+        found += [f"/etc/hosts: {line}" for line in hosts.splitlines() if self.tag in line]
+        return found
+
+    def leftover_pids(self) -> List[int]:
+        """Processes started with this cluster's SLURM_CONF in their environment (ours excluded)."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    @staticmethod
+    def _namespace_pids(namespace: str) -> List[int]:
+        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        return [int(pid) for pid in result.stdout.split()]
+
+
+def sweep_abandoned() -> List[str]:
+    """Remove what test clusters of processes that no longer exist left behind (a test run killed
+    with SIGKILL, or by a power cut, cannot stop its cluster): their processes, namespaces, links and
+    /etc/hosts lines. A live process's cluster is never touched. Returns what was removed."""
+    def abandoned(text: str) -> Optional[str]:
+        match = _TAG.search(text)
+        return match.group(0) if match and not Path(f"/proc/{match.group(1)}").exists() else None
+
+    removed = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        for item in fields:
+            if item.startswith(f"{TAG_VARIABLE}=".encode()) and abandoned(item.decode(errors="replace").split("=", 1)[1]):
+                _kill(int(entry.name), signal.SIGKILL)
+                removed.append(f"process {entry.name}")
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in namespaces:
+        if re.fullmatch(r"imn\d+[a-z]n\d+", name) and abandoned(name):
+            for pid in SlurmCluster._namespace_pids(name):
+                _kill(pid, signal.SIGKILL)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            removed.append(f"namespace {name}")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+    for line in links:
+        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        if re.fullmatch(r"imn\d+[a-z](br|v\d+)", name) and abandoned(name):
+            subprocess.run(["ip", "link", "delete", name], capture_output=True)
+            removed.append(f"link {name}")
+    if HOSTS_FILE.exists():
+        lines = HOSTS_FILE.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if not ("test Slurm cluster" in line and abandoned(line))]
+        if len(kept) != len(lines):
+            HOSTS_FILE.write_text("".join(kept))
+            removed += [f"/etc/hosts line {line.strip()!r}" for line in lines if line not in kept]
+    return removed
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+class SigtermInterrupts:
+    """While the cluster is up, SIGTERM (a CI time-out, `kill`) interrupts like Ctrl-C, so that pytest
+    tears the cluster's fixture down, and main() its cluster, instead of dying with it running."""
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGTERM, _interrupt)
+        return self
+
+    def __exit__(self, *exc_info):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(condition, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            text = log.read_text(errors="replace") if log.exists() else "(no log)"
+            raise RuntimeError(f"{what} did not appear within {timeout:.0f} s: {text[-2000:]}")
+        time.sleep(0.1)
+
+
+def main(argv=None) -> int:
+    """`sudo python tests/slurm_cluster.py [--nodes N] DIR`: the tests' cluster, kept up until Ctrl-C,
+    to try the batch files on before a real cluster (docs/launching.md)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tests/slurm_cluster.py", description=main.__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="its configuration, state and logs go here (made if missing)")
+    parser.add_argument("--nodes", type=int, default=1, choices=range(1, 27), metavar="N",
+                        help="1: this machine itself; 2 or more: one network namespace per node (default 1)")
+    args = parser.parse_args(argv)
+    reason = missing_reason(namespaces=args.nodes > 1)
+    if reason:
+        parser.exit(2, f"{parser.prog}: error: {reason}\n")
+    cpus = max(1, (os.cpu_count() or 1) // args.nodes) if args.nodes > 1 else os.cpu_count() or 1
+    cluster = SlurmCluster(args.folder.resolve(), node_count=args.nodes, cpus_per_node=cpus)
+    try:
+        with SigtermInterrupts():
+            return _serve_until_interrupted(cluster, cpus)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        problems = cluster.stop()
+        print("stopped" + (f"; not undone: {problems}" if problems else ", nothing left behind"), flush=True)
+
+
+def _serve_until_interrupted(cluster: SlurmCluster, cpus: int) -> int:
+    cluster.start()
+    print(f"Slurm is up: {', '.join(node.name for node in cluster.nodes)} ({cpus} CPUs each). In another shell:\n"
+          f"  export SLURM_CONF={cluster.conf}\n  sinfo\n"
+          f"Logs in {cluster.root / 'log'}. Ctrl-C stops it and removes what it set up.", flush=True)
+    while all(process.poll() is None for process in cluster.processes):
+        time.sleep(1)
+    print("a Slurm daemon ended: stopping (see the logs)", flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
