@@ -111,9 +111,21 @@ def cpu_has_native_bf16() -> bool:
     return hardware.cpu_half_support().bf16_native
 
 
+# The markers, declared here rather than in pytest.ini so that they are known however pytest is
+# started (`pytest -m slurm` from the repository root does not read tests/pytest.ini).
+MARKERS = {
+    "slow": "long end-to-end tests (minutes); `make test` runs them when CI=true",
+    "gpu": "needs a CUDA GPU; skipped without one",
+    "slurm": "submits the batch files to a real Slurm cluster started for the tests (root, slurm-wlm, munge)",
+}
+
+
 def pytest_configure(config):
-    """Started with SIGINT ignored (nohup, a background job of a script), pytest would pass that on to
-    every launcher it starts, and the tests that interrupt one would wait for it forever."""
+    """The markers; and, started with SIGINT ignored (nohup, a background job of a script), pytest
+    would pass that on to every launcher it starts, and the tests that interrupt one would wait for
+    it forever."""
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
