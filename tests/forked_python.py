@@ -56,13 +56,13 @@ class ForkServer:
             self.process.stdin.write(json.dumps({"argv": argv[1:], "cwd": str(cwd), "stdout": str(out),
                                                  "stderr": str(err)}) + "\n")
             self.process.stdin.flush()
-            pid = int(self.process.stdout.readline())
+            pid = int(self._reply(argv))
             timed_out = threading.Event()
             timer = threading.Timer(timeout, lambda: timed_out.set() or _kill(pid)) if timeout else None
             if timer:
                 timer.start()
             try:
-                status = int(self.process.stdout.readline())
+                status = int(self._reply(argv))
             finally:
                 if timer:
                     timer.cancel()
@@ -70,6 +70,12 @@ class ForkServer:
         if timed_out.is_set():
             raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
         return subprocess.CompletedProcess(argv, status, stdout, stderr)
+
+    def _reply(self, argv) -> str:
+        line = self.process.stdout.readline()
+        if not line.strip():  # the server ended: say so, not a ValueError about an empty string
+            raise RuntimeError(f"the fork server ended while running {argv}: {self.process.stderr.read()[-2000:]}")
+        return line
 
     def close(self) -> None:
         if self.process.poll() is None:

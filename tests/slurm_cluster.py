@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "ip", "nsenter", "unshare")
 HOSTS_FILE = Path("/etc/hosts")
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` names namespaces: made, and bind-mounted, by the first one
 TAG_VARIABLE = "IMAGENET_TEST_SLURM_CLUSTER"
 _CLUSTER_LETTERS = iter("abcdefghijklmnopqrstuvwxyz")
 # imn<PID of the process that made it><letter>, then br (bridge), v<i> (link), n<i> (namespace).
@@ -43,12 +44,31 @@ def missing_reason(namespaces: bool) -> Optional[str]:
     if absent:
         return f"{', '.join(absent)} not installed (apt-get install slurm-wlm munge iproute2 util-linux)"
     if namespaces:
-        probe = f"imn{os.getpid() % 100000}probe"
-        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
-        if made.returncode != 0:
-            return f"no network namespaces here (ip netns add: {made.stderr.strip()})"
-        subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+        return _namespace_probe_failure()
     return None
+
+
+def _namespace_probe_failure() -> Optional[str]:
+    """Try what a two-node cluster does (a namespace, a bridge, a veth pair into the namespace, a host
+    name of its own) and undo it; says what failed (None: all worked). Named as a cluster of ours
+    (letter y), so that sweep_abandoned removes it should this process die half-way."""
+    tag, made_netns_dir = f"imn{os.getpid()}y", not NETNS_DIR.exists()
+    tries = [(["ip", "netns", "add", f"{tag}n0"], "network namespaces"),
+             (["ip", "link", "add", f"{tag}br", "type", "bridge"], "bridges"),
+             (["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", "eth0", "netns", f"{tag}n0"], "veth pairs"),
+             (["nsenter", f"--net=/run/netns/{tag}n0", "unshare", "--uts", "hostname", "nodeA"], "UTS namespaces")]
+    try:
+        for command, what in tries:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            if result.returncode != 0:
+                return f"no {what} here ({' '.join(command[:3])}: {result.stderr.strip()})"
+        return None
+    finally:
+        for command in (["ip", "link", "delete", f"{tag}v0"], ["ip", "link", "delete", f"{tag}br"],
+                        ["ip", "netns", "delete", f"{tag}n0"]):
+            subprocess.run(command, capture_output=True, timeout=30)
+        if made_netns_dir:
+            remove_empty_netns_dir()
 
 
 @dataclass
@@ -119,6 +139,7 @@ class SlurmCluster:
             self.nodes = [Node(hostname, "127.0.0.1")]
             return "127.0.0.1"
         subnet = self._free_subnet()
+        self.made_netns_dir = not NETNS_DIR.exists()
         self.bridge = f"{self.tag}br"
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._ip("addr", "add", f"{subnet}.1/24", "dev", self.bridge)
@@ -136,6 +157,11 @@ class SlurmCluster:
             self._ip("-n", namespace, "link", "set", "eth0", "up")
             self._ip("-n", namespace, "link", "set", "lo", "up")
         # The node names must resolve everywhere: srun, torchrun's rendezvous and gloo look them up.
+        # Another live cluster's lines would give the same names two addresses.
+        others = [line for line in HOSTS_FILE.read_text().splitlines() if "test Slurm cluster" in line]
+        if others:
+            raise RuntimeError(f"another test Slurm cluster is up on this machine ({HOSTS_FILE}: {others[0]!r}): "
+                               "stop it first (Ctrl-C where `tests/slurm_cluster.py` runs)")
         self._add_hosts_lines([f"{node.address} {node.name}  # {self.tag} test Slurm cluster" for node in self.nodes])
         return f"{subnet}.1"
 
@@ -260,13 +286,17 @@ class SlurmCluster:
 
     def submit(self, argv: List[str], env: dict, cwd: Path) -> int:
         """sbatch argv...; returns the job id."""
-        result = self.run("sbatch", "--parsable", *argv, env=dict(env, SLURM_CONF=str(self.conf)), cwd=cwd)
+        result = self.run("sbatch", "--parsable", *argv, env=dict(env, SLURM_CONF=str(self.conf), **{TAG_VARIABLE: self.tag}),
+                          cwd=cwd)
         return int(result.stdout.strip().split(";")[0].split("_")[0])
 
     def job(self, job_id) -> Dict[str, str]:
         """scontrol's fields of a job (JobState, Restarts, ExitCode, Reason, ...); of its first array task."""
-        output = self.run("scontrol", "-o", "show", "job", str(job_id)).stdout.splitlines()[0]
-        return dict(re.findall(r"(\w+)=(\S*)", output))
+        for attempt in range(3):  # a busy controller may miss MessageTimeout once
+            result = self.run("scontrol", "-o", "show", "job", str(job_id), check=attempt == 2)
+            if result.returncode == 0:
+                return dict(re.findall(r"(\w+)=(\S*)", result.stdout.splitlines()[0]))
+            time.sleep(1)
 
     def wait_for_job(self, job_id, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
                      timeout: float = 300, poll_seconds: float = 0.5) -> Dict[str, str]:
@@ -289,10 +319,29 @@ class SlurmCluster:
 
     # --- stop ---
     def stop(self) -> List[str]:
-        """End the cluster and undo what start() did; returns what could not be undone (empty: all)."""
+        """End the cluster and undo what start() did; returns what could not be undone (empty: all).
+        Each step runs whatever the one before it did, and Ctrl-C or SIGTERM wait until the end: a
+        half-done stop would leave daemons, namespaces or a half-written /etc/hosts behind."""
         problems: List[str] = []
+        steps = (self._cancel_jobs, self._end_daemons, self._kill_leftover_processes, self._remove_namespaces,
+                 self._remove_links, self._remove_hosts_lines)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for step in steps:
+                try:
+                    problems += step()
+                except Exception as error:  # noqa: BLE001 -- the next steps must run all the same
+                    problems.append(f"{step.__name__.strip('_').replace('_', ' ')}: {error!r}")
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return problems + self.traces()
+
+    def _cancel_jobs(self) -> List[str]:
         if self.conf.exists() and any(process.poll() is None for process in self.processes):
             self.run("scancel", "--full", "--user=root", check=False, timeout=20)
+        return []
+
+    def _end_daemons(self) -> List[str]:
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.terminate()
@@ -302,6 +351,9 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+        return []
+
+    def _kill_leftover_processes(self) -> List[str]:
         # Job steps (slurmstepd) and the jobs' processes left behind: all carry our SLURM_CONF.
         for _ in range(3):
             leftovers = self.leftover_pids()
@@ -310,17 +362,29 @@ class SlurmCluster:
             if not leftovers:
                 break
             time.sleep(0.5)
+        return []
+
+    def _remove_namespaces(self) -> List[str]:
+        problems = []
         for node in self.nodes:
             if node.namespace:
                 for pid in self._namespace_pids(node.namespace):
                     _kill(pid, signal.SIGKILL)
                 result = subprocess.run(["ip", "netns", "delete", node.namespace], capture_output=True, text=True)
-                if result.returncode != 0 and Path(f"/run/netns/{node.namespace}").exists():
+                if result.returncode != 0 and (NETNS_DIR / node.namespace).exists():
                     problems.append(f"namespace {node.namespace}: {result.stderr.strip()}")
+        if getattr(self, "made_netns_dir", False) and not problems:
+            problems += remove_empty_netns_dir()
+        return problems
+
+    def _remove_links(self) -> List[str]:
         if self.bridge:
             for index in range(self.node_count):   # veth ends go with their namespace; in case one did not
                 subprocess.run(["ip", "link", "delete", f"{self.tag}v{index}"], capture_output=True)
             subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        return []
+
+    def _remove_hosts_lines(self) -> List[str]:
         if self.hosts_lines:
             text = HOSTS_FILE.read_text()
             if self.hosts_added in text:     # the file as it was found, byte for byte
@@ -330,7 +394,7 @@ class SlurmCluster:
                                if line.rstrip("\n") not in self.hosts_lines)
             HOSTS_FILE.write_text(text)
             self.hosts_lines = []
-        return problems + self.traces()
+        return []
 
     def traces(self) -> List[str]:
         """What of the cluster is still on the machine: processes, namespaces, links, /etc/hosts lines."""
@@ -403,6 +467,27 @@ def sweep_abandoned() -> List[str]:
     return removed
 
 
+def remove_empty_netns_dir() -> List[str]:
+    """/run/netns as it was before our first namespace: absent (while no other namespace is in it).
+    Returns what could not be undone."""
+    if not NETNS_DIR.exists() or any(NETNS_DIR.iterdir()):
+        return []
+    while _is_mount_point(NETNS_DIR):  # iproute2 bind-mounts it on itself, same device: os.path.ismount misses it
+        if subprocess.run(["umount", str(NETNS_DIR)], capture_output=True).returncode != 0:
+            return [f"{NETNS_DIR}: could not be unmounted"]
+    try:
+        NETNS_DIR.rmdir()
+    except OSError as error:
+        return [f"{NETNS_DIR}: {error.strerror}"]
+    return []
+
+
+def _is_mount_point(path: Path) -> bool:
+    # /proc/self/mountinfo: the fifth field is the mount point (spaces written as \040).
+    with open("/proc/self/mountinfo") as mounts:
+        return any(line.split()[4].replace("\\040", " ") == str(path) for line in mounts)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
@@ -441,15 +526,28 @@ def _wait_for(condition, timeout: float, what: str, log: Path) -> None:
         time.sleep(0.1)
 
 
+def build_parser():
+    import argparse
+
+    def node_count(text: str) -> int:
+        if not text.isdigit() or not 1 <= int(text) <= 26:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of nodes from 1 to 26")
+        return int(text)
+
+    parser = argparse.ArgumentParser(
+        prog="tests/slurm_cluster.py",
+        description="A real Slurm cluster on this machine (root; Debian's slurm-wlm and munge), the one the tests "
+                    "submit the batch files to, kept up until Ctrl-C to try them on (docs/launching.md).")
+    parser.add_argument("folder", type=Path, help="its configuration, state and logs go here (made if missing)")
+    parser.add_argument("--nodes", type=node_count, default=1, metavar="N",
+                        help="1: this machine itself; 2 or more: one network namespace per node (default 1)")
+    return parser
+
+
 def main(argv=None) -> int:
     """`sudo python tests/slurm_cluster.py [--nodes N] DIR`: the tests' cluster, kept up until Ctrl-C,
     to try the batch files on before a real cluster (docs/launching.md)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="tests/slurm_cluster.py", description=main.__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, help="its configuration, state and logs go here (made if missing)")
-    parser.add_argument("--nodes", type=int, default=1, choices=range(1, 27), metavar="N",
-                        help="1: this machine itself; 2 or more: one network namespace per node (default 1)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     reason = missing_reason(namespaces=args.nodes > 1)
     if reason:

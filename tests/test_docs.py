@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,9 +100,10 @@ def script_parser(path: str):
         from common import cli
 
         return cli.build_parser(SCRIPTS[path])
-    if path == "run_scripts/launch_nodes.py":
-        spec = importlib.util.spec_from_file_location("launch_nodes", REPO / path)
+    if path in ("run_scripts/launch_nodes.py", "tests/slurm_cluster.py"):
+        spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
         spec.loader.exec_module(module)  # defines functions only: its main() runs under __main__
         return module.build_parser()
     return None
