@@ -65,7 +65,7 @@ def run_command(argv, cwd: Path = REPO, timeout: float = 600, env_extra: dict | 
     argv = list(map(str, argv))
     server = _fork_server(env_extra or {}, env)
     if server is not None and server.serves(argv, env):
-        return server.run(argv, cwd, timeout)
+        return server.run(argv, cwd, env, timeout)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

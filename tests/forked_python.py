@@ -11,7 +11,8 @@ of SystemExit or 1 after a traceback).
 
 Only commands whose environment equals the server's come here: variables that torch reads at import
 (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, ...) would otherwise differ (conftest keeps a server for each
-environment it forks in). The server refuses to serve (and
+environment it forks in). The one exception is PYTEST_CURRENT_TEST, which pytest changes for every
+test and nothing reads at import: the child takes the command's environment, that variable included. The server refuses to serve (and
 run_command starts real processes) if importing printed anything, which every command would then
 have printed, or if the imports left a Python thread running, which a fork would not copy.
 """
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
+# Variables that may differ between the server and a command it forks: pytest's per-test marker.
+PER_COMMAND_VARIABLES = {"PYTEST_CURRENT_TEST"}
 PRELOADED = ("torch", "torchvision", "numpy", "PIL.Image", "torch.utils.tensorboard", "common.engine", "common.cli",
              "common.models", "common.pipelines", "common.data", "common.launch", "common.distributed",
              "common.checkpoint", "common.telemetry", "common.precision", "common.errors")
@@ -47,13 +50,13 @@ class ForkServer:
 
     def serves(self, argv, env: dict) -> bool:
         """Whether this command can be a fork: `python SCRIPT.py ...` or `python -m MODULE ...`, same environment."""
-        return (self.ready and self.process.poll() is None and env == self.env and len(argv) >= 2
+        return (self.ready and self.process.poll() is None and _lasting(env) == _lasting(self.env) and len(argv) >= 2
                 and argv[0] == sys.executable and (argv[1].endswith(".py") or (argv[1] == "-m" and len(argv) >= 3)))
 
-    def run(self, argv, cwd, timeout: Optional[float]) -> subprocess.CompletedProcess:
+    def run(self, argv, cwd, env: dict, timeout: Optional[float]) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="forked-") as folder:
             out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-            self.process.stdin.write(json.dumps({"argv": argv[1:], "cwd": str(cwd), "stdout": str(out),
+            self.process.stdin.write(json.dumps({"argv": argv[1:], "cwd": str(cwd), "env": env, "stdout": str(out),
                                                  "stderr": str(err)}) + "\n")
             self.process.stdin.flush()
             pid = int(self._reply(argv))
@@ -84,6 +87,10 @@ class ForkServer:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def _lasting(env: dict) -> dict:
+    return {name: value for name, value in env.items() if name not in PER_COMMAND_VARIABLES}
 
 
 def _kill(pid: int) -> None:
@@ -142,6 +149,13 @@ def _run_as_main(request: dict) -> None:
         with open(path, "wb") as handle:
             os.dup2(handle.fileno(), fd)
     os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # multiprocessing noted the server's directory at import; `python SCRIPT` would note this one
+    # (spawned workers find a relative main script from it).
+    import multiprocessing.process
+
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()
     argv = request["argv"]
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
