@@ -49,8 +49,11 @@ def tiny_data(tmp_path: Path) -> Path:
 
 
 # Environments the commands of the tests are forked in (tests/forked_python.py): the usual one, and
-# the usual one with these variables set as run_command's env_extra sets them (a fork server each).
+# the usual one with these variables set as run_command's env_extra sets them. A server serves one
+# environment: a test that changes os.environ (monkeypatch; importing scikit-learn sets KMP_*
+# variables) gets a server of its own, the least recently started of FORK_SERVERS_KEPT closed.
 FORKED_VARIABLES = {"OMP_NUM_THREADS"}
+FORK_SERVERS_KEPT = 3
 _fork_servers: dict = {}
 
 
@@ -72,10 +75,12 @@ def run_command(argv, cwd: Path = REPO, timeout: float = 600, env_extra: dict | 
 def _fork_server(env_extra: dict, env: dict):
     if set(env_extra) - FORKED_VARIABLES or os.environ.get("IMAGENET_TESTS_FORK", "1") == "0":
         return None
-    key = tuple(sorted(env_extra.items()))
-    if key not in _fork_servers:
-        from forked_python import ForkServer
+    from forked_python import ForkServer, lasting
 
+    key = tuple(sorted(lasting(env).items()))
+    if key not in _fork_servers:
+        while len(_fork_servers) >= FORK_SERVERS_KEPT:
+            _fork_servers.pop(next(iter(_fork_servers))).close()
         _fork_servers[key] = ForkServer(env)
     return _fork_servers[key]
 

@@ -50,7 +50,7 @@ class ForkServer:
 
     def serves(self, argv, env: dict) -> bool:
         """Whether this command can be a fork: `python SCRIPT.py ...` or `python -m MODULE ...`, same environment."""
-        return (self.ready and self.process.poll() is None and _lasting(env) == _lasting(self.env) and len(argv) >= 2
+        return (self.ready and self.process.poll() is None and lasting(env) == lasting(self.env) and len(argv) >= 2
                 and argv[0] == sys.executable and (argv[1].endswith(".py") or (argv[1] == "-m" and len(argv) >= 3)))
 
     def run(self, argv, cwd, env: dict, timeout: Optional[float]) -> subprocess.CompletedProcess:
@@ -89,7 +89,8 @@ class ForkServer:
                 self.process.kill()
 
 
-def _lasting(env: dict) -> dict:
+def lasting(env: dict) -> dict:
+    """The environment less the variables that may differ between server and command."""
     return {name: value for name, value in env.items() if name not in PER_COMMAND_VARIABLES}
 
 
