@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 from conftest import run_command, run_script
 
 PROBE = '''
@@ -35,6 +37,7 @@ def probe(tmp_path, *args, **kwargs):
     return result, (json.loads(result.stdout.splitlines()[0]) if result.stdout else None)
 
 
+@pytest.mark.skipif(os.environ.get("IMAGENET_TESTS_FORK") == "0", reason="IMAGENET_TESTS_FORK=0: nothing is forked")
 def test_a_command_under_pytest_is_forked_and_sees_what_python_script_would(tmp_path, monkeypatch):
     with monkeypatch.context() as earlier_test:  # the server may have started in another test
         earlier_test.setenv("PYTEST_CURRENT_TEST", "tests/test_other.py::test_other (call)")
