@@ -80,7 +80,11 @@ class Node:
 
 
 class SlurmCluster:
-    """A cluster of `node_count` nodes with `cpus_per_node` CPUs each, its files under `root`."""
+    """A cluster of `node_count` nodes with `cpus_per_node` CPUs each, its files under `root`.
+
+    One class of about 350 lines, on purpose: start() and stop() mirror each other step for step
+    (every process, namespace, link and /etc/hosts line that one makes, the other removes), and the
+    job helpers need the same configuration and environment; split, the pairs would drift apart."""
 
     def __init__(self, root: Path, node_count: int = 2, cpus_per_node: int = 2):
         self.root = Path(root)
@@ -138,6 +142,11 @@ class SlurmCluster:
         if self.node_count == 1 and not self._want_namespaces():
             self.nodes = [Node(hostname, "127.0.0.1")]
             return "127.0.0.1"
+        # Another live cluster's /etc/hosts lines would give our node names a second address.
+        others = [line for line in HOSTS_FILE.read_text().splitlines() if "test Slurm cluster" in line]
+        if others:
+            raise RuntimeError(f"another test Slurm cluster is up on this machine ({HOSTS_FILE}: {others[0]!r}): "
+                               "stop it first (Ctrl-C where `tests/slurm_cluster.py` runs)")
         subnet = self._free_subnet()
         self.made_netns_dir = not NETNS_DIR.exists()
         self.bridge = f"{self.tag}br"
@@ -157,11 +166,6 @@ class SlurmCluster:
             self._ip("-n", namespace, "link", "set", "eth0", "up")
             self._ip("-n", namespace, "link", "set", "lo", "up")
         # The node names must resolve everywhere: srun, torchrun's rendezvous and gloo look them up.
-        # Another live cluster's lines would give the same names two addresses.
-        others = [line for line in HOSTS_FILE.read_text().splitlines() if "test Slurm cluster" in line]
-        if others:
-            raise RuntimeError(f"another test Slurm cluster is up on this machine ({HOSTS_FILE}: {others[0]!r}): "
-                               "stop it first (Ctrl-C where `tests/slurm_cluster.py` runs)")
         self._add_hosts_lines([f"{node.address} {node.name}  # {self.tag} test Slurm cluster" for node in self.nodes])
         return f"{subnet}.1"
 
