@@ -1,6 +1,6 @@
 """`python SCRIPT ARGS` for the tests, forked from a process that has already imported torch.
 
-Importing torch, torchvision and the project takes 4 to 6 s of a 2-core machine's time; a test that
+Importing torch, torchvision and the project takes 2.5 to 6 s of a 2-core machine's time; a test that
 checks a one-line error runs for a quarter of a second after that. Most of the suite's command-line
 tests are such runs, so conftest.run_command hands them here: one server process (started with
 the environment run_command gives every command) imports the heavy modules once and forks a child
@@ -12,9 +12,10 @@ of SystemExit or 1 after a traceback).
 Only commands whose environment equals the server's come here: variables that torch reads at import
 (OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, ...) would otherwise differ (conftest keeps a server for each
 environment it forks in). The one exception is PYTEST_CURRENT_TEST, which pytest changes for every
-test and nothing reads at import: the child takes the command's environment, that variable included. The server refuses to serve (and
-run_command starts real processes) if importing printed anything, which every command would then
-have printed, or if the imports left a Python thread running, which a fork would not copy.
+test and nothing reads at import: the child takes the command's environment, that variable included.
+The server refuses to serve (and run_command starts real processes) if importing printed anything,
+which every command would then have printed, or if the imports left a Python thread running, which
+a fork would not copy.
 """
 from __future__ import annotations
 
