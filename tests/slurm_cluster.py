@@ -56,7 +56,7 @@ def _namespace_probe_failure() -> Optional[str]:
     tries = [(["ip", "netns", "add", f"{tag}n0"], "network namespaces"),
              (["ip", "link", "add", f"{tag}br", "type", "bridge"], "bridges"),
              (["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", "eth0", "netns", f"{tag}n0"], "veth pairs"),
-             (["nsenter", f"--net=/run/netns/{tag}n0", "unshare", "--uts", "hostname", "nodeA"], "UTS namespaces")]
+             (["nsenter", f"--net={NETNS_DIR / f'{tag}n0'}", "unshare", "--uts", "hostname", "nodeA"], "UTS namespaces")]
     try:
         for command, what in tries:
             result = subprocess.run(command, capture_output=True, text=True, timeout=30)
@@ -94,6 +94,7 @@ class SlurmCluster:
         self.processes: List[subprocess.Popen] = []
         self.nodes: List[Node] = []
         self.bridge: Optional[str] = None
+        self.made_netns_dir = False  # whether our first namespace made /run/netns (stop removes it then)
         self.hosts_lines: List[str] = []
         # Names of this cluster's links, namespaces and /etc/hosts lines: our PID (so that a later run
         # can tell an abandoned cluster's from a live one's, sweep_abandoned) and a letter per cluster
@@ -139,7 +140,7 @@ class SlurmCluster:
 
     def _make_network(self) -> str:
         hostname = socket.gethostname().split(".")[0]
-        if self.node_count == 1 and not self._want_namespaces():
+        if self.node_count == 1:
             self.nodes = [Node(hostname, "127.0.0.1")]
             return "127.0.0.1"
         # Another live cluster's /etc/hosts lines would give our node names a second address.
@@ -168,9 +169,6 @@ class SlurmCluster:
         # The node names must resolve everywhere: srun, torchrun's rendezvous and gloo look them up.
         self._add_hosts_lines([f"{node.address} {node.name}  # {self.tag} test Slurm cluster" for node in self.nodes])
         return f"{subnet}.1"
-
-    def _want_namespaces(self) -> bool:
-        return self.node_count > 1
 
     def _free_subnet(self) -> str:
         used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
@@ -245,8 +243,8 @@ class SlurmCluster:
         """Start (or start again) the node's slurmd, in its namespaces when it has them."""
         command = ["slurmd", "-D", "-f", str(self.conf), "-N", node.name]
         if node.namespace:
-            command = ["nsenter", f"--net=/run/netns/{node.namespace}", "unshare", "--uts", "sh", "-c",
-                       f'hostname "$0" && exec "$@"', node.name, *command]
+            command = ["nsenter", f"--net={NETNS_DIR / node.namespace}", "unshare", "--uts", "sh", "-c",
+                       'hostname "$0" && exec "$@"', node.name, *command]
         node.process = self._spawn(command, f"slurmd-{node.name}-stdout")
 
     def _spawn(self, command, log_name: str) -> subprocess.Popen:
@@ -372,12 +370,8 @@ class SlurmCluster:
         problems = []
         for node in self.nodes:
             if node.namespace:
-                for pid in self._namespace_pids(node.namespace):
-                    _kill(pid, signal.SIGKILL)
-                result = subprocess.run(["ip", "netns", "delete", node.namespace], capture_output=True, text=True)
-                if result.returncode != 0 and (NETNS_DIR / node.namespace).exists():
-                    problems.append(f"namespace {node.namespace}: {result.stderr.strip()}")
-        if getattr(self, "made_netns_dir", False) and not problems:
+                problems += _delete_namespace(node.namespace)
+        if self.made_netns_dir and not problems:
             problems += remove_empty_netns_dir()
         return problems
 
@@ -413,17 +407,7 @@ class SlurmCluster:
 
     def leftover_pids(self) -> List[int]:
         """Processes started with this cluster's SLURM_CONF in their environment (ours excluded)."""
-        marker = f"SLURM_CONF={self.conf}".encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                if marker in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-        return found
+        return [pid for pid, conf in _environment_values("SLURM_CONF").items() if conf == str(self.conf)]
 
     @staticmethod
     def _namespace_pids(namespace: str) -> List[int]:
@@ -440,21 +424,14 @@ def sweep_abandoned() -> List[str]:
         return match.group(0) if match and not Path(f"/proc/{match.group(1)}").exists() else None
 
     removed = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "environ").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
-        for item in fields:
-            if item.startswith(f"{TAG_VARIABLE}=".encode()) and abandoned(item.decode(errors="replace").split("=", 1)[1]):
-                _kill(int(entry.name), signal.SIGKILL)
-                removed.append(f"process {entry.name}")
+    for pid, tag in _environment_values(TAG_VARIABLE).items():
+        if abandoned(tag):
+            _kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid}")
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for name in namespaces:
         if re.fullmatch(r"imn\d+[a-z]n\d+", name) and abandoned(name):
-            for pid in SlurmCluster._namespace_pids(name):
-                _kill(pid, signal.SIGKILL)
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            _delete_namespace(name)
             removed.append(f"namespace {name}")
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
     for line in links:
@@ -469,6 +446,32 @@ def sweep_abandoned() -> List[str]:
             HOSTS_FILE.write_text("".join(kept))
             removed += [f"/etc/hosts line {line.strip()!r}" for line in lines if line not in kept]
     return removed
+
+
+def _environment_values(name: str) -> Dict[int, str]:
+    """PID -> the value of environment variable `name`, for every process that has it (ours excluded)."""
+    prefix, found = f"{name}=".encode(), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            variables = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for variable in variables:
+            if variable.startswith(prefix):
+                found[int(entry.name)] = variable[len(prefix):].decode(errors="replace")
+    return found
+
+
+def _delete_namespace(name: str) -> List[str]:
+    """Kill what runs in network namespace `name`, then delete it; returns what could not be done."""
+    for pid in SlurmCluster._namespace_pids(name):
+        _kill(pid, signal.SIGKILL)
+    result = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+    if result.returncode != 0 and (NETNS_DIR / name).exists():
+        return [f"namespace {name}: {result.stderr.strip()}"]
+    return []
 
 
 def remove_empty_netns_dir() -> List[str]:
