@@ -18,6 +18,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse calls this for every parse error
         raise UsageError(f"{message} (see --help)")
 
+    def _get_values(self, action, arg_strings):
+        # `--epochs=--`: argparse (3.11) drops the "--" as the end-of-options marker and hands the flag an
+        # empty list instead of a value, which no check downstream expects. Found by tests/test_cli_fuzz.py.
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument, got '--'")
+        return super()._get_values(action, arg_strings)
+
 
 def int_at_least(minimum: int, what: str, maximum: Optional[int] = None) -> Callable[[str], int]:
     def parse_int(text: str) -> int:
