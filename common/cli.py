@@ -20,6 +20,7 @@ from common.arguments import (Parser, float_in, non_negative_float, non_negative
                               positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, UsageError, error_summary, program, run_main
 from common.models import available_architectures, check_one_image_per_step
+from common.pipelines import DATA_BACKENDS
 
 _DESCRIPTIONS = {
     "nd": "Train and validate an ImageNet classifier on one device (a GPU, or the CPU).",
@@ -106,11 +107,13 @@ def _add_data_flags(group) -> None:
     group.add_argument("--hflip", type=float_in(0.0, 1.0, False, False, "a probability in [0, 1]"), default=0.5,
                        metavar="PROB", help="probability of flipping a training image horizontally "
                                             "(0 where mirror images mean something else, as with digits)")
-    group.add_argument("--data-backend", choices=("torchvision", "pil", "gpu"), default="torchvision",
+    group.add_argument("--data-backend", choices=DATA_BACKENDS, default="torchvision",
                        help="who decodes and transforms images. torchvision: decode_jpeg (at reduced size when the "
                             "crop shrinks anyway) and uint8 tensor transforms in the workers, normalisation on the "
                             "device; pil: Pillow and float32 transforms in the workers (the plain reference); gpu: "
-                            "JPEGs decoded on the GPU by nvJPEG. All draw the same crops for a seed")
+                            "JPEGs decoded on the GPU by nvJPEG; dali: NVIDIA DALI decodes each crop's region on the "
+                            "GPU (its hardware JPEG decoder where it has one), or on the CPU without one (pip install "
+                            "-r requirements-dali.txt). All draw the same crops for a seed")
     group.add_argument("--synthetic", action="store_true",
                        help="random tensors instead of images (no disk I/O), for benchmarking; DATA may be "
                             "omitted. Validation then covers 10 batches per process")
@@ -203,6 +206,10 @@ def _add_measurement_flags(group) -> None:
                        metavar="N", help="leave each epoch's first N steps (start-up, cuDNN autotuning, workers "
                                          "filling their queues) out of images/s, s/step and data wait; a split "
                                          "of at most 2N steps is timed whole")
+    group.add_argument("--profile-steps", type=non_negative_int, default=0, metavar="N",
+                       help="profile N training steps with torch.profiler, after the first epoch's warm-up steps, "
+                            "on the primary process: a Chrome trace and a summary (ms per step, the GPU's idle "
+                            "share, operators and kernels by time) in the run directory's profile-*/ folder")
     group.add_argument("--io-interval", type=non_negative_float, default=60.0, metavar="SECONDS",
                        help="sample the dataset's block device (read/write bytes and operations per second) "
                             "every SECONDS into io.csv, on one process per node; 0: off")

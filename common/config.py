@@ -56,6 +56,7 @@ class Config:
     device: str
     io_interval: float = 60.0  # seconds between block-device I/O samples; 0: no sampling
     warmup_steps: int = 10  # first steps of each epoch left out of throughput and data-wait figures
+    profile_steps: int = 0  # training steps after the first epoch's warm-up profiled with torch.profiler; 0: none
     report_dir: Optional[str] = None  # --evaluate: where the per-class report goes
     checkpoint_every_steps: int = 0  # mid-epoch checkpoints every N steps; 0: not by steps
     checkpoint_every_minutes: float = 10.0  # ... or every N minutes; 0: not by time
@@ -70,7 +71,7 @@ class Config:
     bad_images: str = "fail"  # fail | skip: what an unreadable image file does
     deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
-    data_backend: str = "torchvision"  # torchvision | pil | gpu: who decodes and transforms images (common.pipelines)
+    data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)
     compile: bool = False  # torch.compile the model
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)

@@ -39,8 +39,9 @@ from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.launch import data_loader_context, data_loader_worker_init
-from common.pipelines import (BadImageError, EncodedBatch, EncodedImages, JpegDecoder, PILImages, TensorImages,
-                              choose_jpeg_decoder, stack_images, train_transform, val_transform)
+from common.dali import DaliDecoder
+from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
+                              TensorImages, choose_jpeg_decoder, stack_images, train_transform, val_transform)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
@@ -423,6 +424,7 @@ class Loaders:
     rank: int = 0
     backend: str = "torchvision"  # --data-backend
     jpeg_decoder: Optional[JpegDecoder] = None  # None: synthetic data
+    dali: Optional[DaliDecoder] = None  # --data-backend dali: decodes the JPEGs on the device (DeviceInput)
     notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (engine.run)
 
     @property
@@ -483,7 +485,7 @@ def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) ->
     if cfg.data_backend == "pil":
         return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip) if train else
                          val_transform(cfg.image_size, cfg.val_resize))
-    kind = EncodedImages if cfg.data_backend == "gpu" else TensorImages
+    kind = {"gpu": EncodedImages, "dali": DaliImages}.get(cfg.data_backend, TensorImages)
     return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder)
 
 
@@ -505,6 +507,9 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     if cfg.data_backend == "gpu" and ctx.device.type != "cuda" and not cfg.synthetic:
         raise UsageError(f"argument --data-backend: gpu decodes JPEGs on a CUDA GPU; this run is on the "
                          f"{ctx.device.type.upper()} (use torchvision)")
+    # DALI first: a missing package is said before the data is scanned. It drives this process's device.
+    dali = (DaliDecoder(ctx.device, cfg.image_size, batch_size, cfg.workers)
+            if cfg.data_backend == "dali" and not cfg.synthetic else None)
     decoder = jpeg_decoder(cfg)
     train_set, val_set, classes, notes = build_datasets(cfg, ctx.replicas, decoder)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
@@ -531,4 +536,4 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         multiprocessing_context=worker_context, collate_fn=collate,
     )
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
-                   notes=notes, jpeg_decoder=decoder)
+                   notes=notes, jpeg_decoder=decoder, dali=dali)

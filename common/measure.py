@@ -145,6 +145,102 @@ class StepTimer:
         return timing.plus(before) if before is not None else timing
 
 
+class StepProfiler:
+    """--profile-steps N: torch.profiler over N training steps, after the
+    throughput warm-up of the first epoch this run trains, on the primary
+    process only (one profile is what a reader opens; the others run as
+    usual). It writes into `folder`: trace.json, a Chrome trace
+    (chrome://tracing, or ui.perfetto.dev), and summary.txt: the wall time
+    per step, on a GPU the share of it in which no kernel ran (launch
+    overhead, host syncs, waits for data between kernels), and the
+    operators and kernels by their own time on the device (CPU time on the
+    CPU), where engine's labelled parts of a step (`step:...`) show the
+    host work beside the model's. Call step() after each training step."""
+
+    def __init__(self, steps: int, skip_steps: int, device: torch.device, folder):
+        from torch import profiler
+
+        # Kineto, the profiler's tracer, logs an ERROR line when a CUDA build of torch finds no GPU, harmless
+        # here: level 5 keeps it quiet (read when the profiler starts; a user's own setting wins).
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+        self.folder = folder
+        self.steps = steps
+        self.on_gpu = device.type == "cuda"
+        activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if self.on_gpu else [])
+        # One step of the profiler's own warm-up (recorded, then dropped) before the N it keeps.
+        schedule = profiler.schedule(wait=max(0, skip_steps - 1), warmup=1, active=steps, repeat=1)
+        self.profile = profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._write)
+        self.skip_steps = skip_steps
+        self.calls = 0  # steps done since start()
+        self.summary: Optional[str] = None  # its first line, once written
+        self.profile.start()
+
+    @staticmethod
+    def in_run(run_dir, epoch: int, first_step: int, steps: int, skip_steps: int,
+               device: torch.device) -> "StepProfiler":
+        """A profiler of the epoch `epoch` that starts at step `first_step`,
+        writing into run_dir/profile-epoch<E>-step<S>/ (S: the first profiled
+        step); a resume that profiles the same step again writes beside it."""
+        folder = run_dir / f"profile-epoch{epoch:03d}-step{first_step + skip_steps:06d}"
+        copies = 1
+        while folder.exists():
+            copies += 1
+            folder = folder.with_name(f"{folder.name.split('.')[0]}.{copies}")
+        return StepProfiler(steps, skip_steps, device, folder)
+
+    def step(self) -> None:
+        if self.summary is None:
+            self.calls += 1
+            self.profile.step()
+
+    def close(self) -> str:
+        """Stop profiling at the epoch's end; the line to print: what the
+        profile found and where it is, or that the epoch ended too soon."""
+        if self.profile is not None:
+            self.profile.stop()
+            self.profile = None
+        return self.summary or (f"profile: the epoch ended before --profile-steps {self.steps} steps after the "
+                                f"warm-up; nothing recorded")
+
+    def _write(self, done) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        done.export_chrome_trace(str(self.folder / "trace.json"))
+        # Whole training steps only: an epoch that ends early leaves a part-step (the epoch's end) recorded.
+        whole = max(0, min(self.steps, self.calls - self.skip_steps))
+        steps = sorted((event for event in done.events() if event.name.startswith("ProfilerStep")),
+                       key=lambda event: event.time_range.start)[:whole]
+        if not steps:
+            return
+        start = min(event.time_range.start for event in steps)
+        wall_us = max(event.time_range.end for event in steps) - start
+        counted = f"{len(steps)} step(s)" if len(steps) >= self.steps else \
+            f"{len(steps)} of {self.steps} steps (the epoch ended sooner)"
+        line = f"{counted} profiled: {wall_us / 1000 / len(steps):.1f} ms per step"
+        if self.on_gpu:
+            kernels = [(event.time_range.start, event.time_range.end) for event in done.events()
+                       if event.device_type == torch.autograd.DeviceType.CUDA]
+            idle = 1.0 - busy_microseconds(kernels) / wall_us if wall_us > 0 else 0.0
+            line += f"; the GPU ran no kernel {100 * idle:.1f}% of that time"
+        sort_by = "self_cuda_time_total" if self.on_gpu else "self_cpu_time_total"
+        table = done.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=80)
+        (self.folder / "summary.txt").write_text(f"{line}\n\n{table}\n")
+        self.summary = f"profile: {line}; {self.folder / 'summary.txt'}, {self.folder / 'trace.json'}"
+
+
+def busy_microseconds(intervals: List[Tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: the time in which
+    at least one of them ran (kernels on several streams overlap)."""
+    busy, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    return busy
+
+
 class DiskCounters(NamedTuple):
     """Cumulative counters of one block device, from /proc/diskstats."""
 

@@ -1,7 +1,7 @@
 """Image pipelines: from an image file to the tensor a model takes.
 
-Three backends (--data-backend), one set of random parameters. The
-training crop and flip are drawn the same way by all three (torchvision's
+Four backends (--data-backend), one set of random parameters. The
+training crop and flip are drawn the same way by all four (torchvision's
 RandomResizedCrop.get_params, then one draw for the flip), from the torch
 generator common.data seeds per image, so for one seed every backend cuts
 the same box of the same image; only the resampling arithmetic differs
@@ -28,6 +28,9 @@ the same box of the same image; only the resampling arithmetic differs
                the batch on the GPU (the chosen decoder's decode_jpeg(...,
                device="cuda")), where it is also cropped and resized. Files
                that are not complete JPEGs take the torchvision path in the worker.
+  dali         the gpu backend's workers (DaliImages); NVIDIA DALI decodes
+               the crop's region of each JPEG on the device, resizes and
+               flips it (common.dali, imported only for this backend).
 
 Images above Pillow's decompression-bomb limit are noted (Loaded.large_pixels)
 instead of letting Pillow warn without naming them: the training loop counts
@@ -55,7 +58,7 @@ from torchvision.transforms.v2 import functional as tensor_ops
 
 from common.errors import UsageError, error_summary
 
-DATA_BACKENDS = ("torchvision", "pil", "gpu")
+DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's aspect-ratio range
@@ -520,16 +523,27 @@ class EncodedImages(TensorImages):
     about it, and CMYK, which nvJPEG does not convert, is finished in the
     worker; so is everything when the chosen decoder is Pillow's."""
 
+    device_decodes_with_run_decoder = True  # the GPU decodes with the run's JpegDecoder (needs a tensor one)
+
     def __call__(self, path: str) -> Loaded:
         encoded = read_file(path)
         header = self.plain_header(encoded)
-        if (header is None or not self.decoder.makes_tensors or header.mode not in ("RGB", "L")
+        cannot_decode = self.device_decodes_with_run_decoder and not self.decoder.makes_tensors
+        if (header is None or cannot_decode or header.mode not in ("RGB", "L")
                 or not encoded.rstrip(b"\0").endswith(JPEG_END)):
             finished, file_bytes, large = self.load(encoded, path)
             return Loaded(Encoded(None, None, image=finished), file_bytes, large)
         data = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         return Loaded(Encoded(data, self.geometry(*header.size), header.size, path, decoder=self.decoder),
                       len(encoded), 0)
+
+
+class DaliImages(EncodedImages):
+    """--data-backend dali: what the gpu backend's workers hand over, the
+    same files as JPEGs whatever the run's decoder (DALI decodes them on the
+    device: common.dali); the run's decoder finishes the others in the worker."""
+
+    device_decodes_with_run_decoder = False
 
 
 class EncodedBatch:
@@ -554,20 +568,24 @@ class EncodedBatch:
     def __len__(self) -> int:
         return len(self.is_jpeg)
 
-    def decode(self, device: torch.device) -> torch.Tensor:
-        """The batch as N x 3 x S x S uint8 on `device`: JPEGs decoded there
-        in one call (nvJPEG on a GPU), cropped and resized there."""
-        decoded = zip(_decode_on(self.decoder, device, list(torch.split(self.data, self.lengths)), self.paths),
-                      self.geometries, self.sizes)
+    def decode(self, device: torch.device, dali=None) -> torch.Tensor:
+        """The batch as N x 3 x S x S uint8 on `device`: its JPEGs decoded
+        there, by `dali` (a common.dali.DaliDecoder) when given, else in one
+        call to the run's decoder (nvJPEG on a GPU) and cropped and resized
+        there; its other images were finished in the worker."""
+        if not self.lengths:
+            decoded = iter(())
+        else:
+            decoded = iter(dali.decode(self) if dali is not None else self.decode_jpegs(device))
         finished = iter(self.finished.to(device, non_blocking=True) if self.finished is not None else ())
-        images = []
-        for is_jpeg in self.is_jpeg:
-            if is_jpeg:
-                image, geometry, size = next(decoded)
-                images.append(geometry.apply(image, *size))
-            else:
-                images.append(next(finished))
-        return stack_images(images)
+        return stack_images([next(decoded) if is_jpeg else next(finished) for is_jpeg in self.is_jpeg])
+
+    def decode_jpegs(self, device: torch.device) -> List[torch.Tensor]:
+        """The batch's JPEGs decoded by the run's decoder on `device` (one
+        call), then cropped, resized and flipped there."""
+        files = list(torch.split(self.data, self.lengths))
+        return [geometry.apply(image, *size) for image, geometry, size in
+                zip(_decode_on(self.decoder, device, files, self.paths), self.geometries, self.sizes)]
 
 
 def _decode_on(decoder: JpegDecoder, device: torch.device, files: List[torch.Tensor],
@@ -603,9 +621,9 @@ def _decode_late(encoded: bytes, path: str) -> Image.Image:
     try:
         return decode_rgb(encoded, path)
     except BadImageError as error:
-        raise BadImageError(f"{path}: cannot decode image ({error.reason}); with --data-backend gpu this shows only "
-                            f"when the batch is decoded, too late for --bad-images skip: remove or replace the "
-                            f"file, or use --data-backend torchvision", reason=error.reason) from None
+        raise BadImageError(f"{path}: cannot decode image ({error.reason}); with --data-backend gpu or dali this "
+                            f"shows only when the batch is decoded, too late for --bad-images skip: remove or "
+                            f"replace the file, or use --data-backend torchvision", reason=error.reason) from None
 
 
 # On the device: uint8 -> normalised float, memory format, prefetching.
@@ -626,23 +644,26 @@ class DeviceInput:
         self.mean = torch.tensor(IMAGENET_MEAN, device=device).mul_(255.0).reshape(shape)
         self.inverse_std = torch.tensor(IMAGENET_STD, device=device).mul_(255.0).reciprocal_().reshape(shape)
 
-    def images(self, images) -> torch.Tensor:
-        """One batch's images on the device, ready for the model."""
+    def images(self, images, dali=None) -> torch.Tensor:
+        """One batch's images on the device, ready for the model. `dali`:
+        the run's common.dali.DaliDecoder, for --data-backend dali."""
         if isinstance(images, EncodedBatch):
-            images = images.decode(self.device)
+            images = images.decode(self.device, dali)
         images = images.to(self.device, non_blocking=True)
         if images.dtype == torch.uint8:
             images = images.to(torch.float32, memory_format=self.memory_format).sub_(self.mean).mul_(self.inverse_std)
         return images.contiguous(memory_format=self.memory_format)
 
-    def batch(self, batch):
-        return batch._replace(image=self.images(batch.image), target=batch.target.to(self.device, non_blocking=True))
+    def batch(self, batch, dali=None):
+        return batch._replace(image=self.images(batch.image, dali),
+                              target=batch.target.to(self.device, non_blocking=True))
 
-    def __call__(self, batches: Iterable) -> Iterator:
-        """The batches of `batches` (Samples), finished on the device."""
+    def __call__(self, batches: Iterable, dali=None) -> Iterator:
+        """The batches of `batches` (Samples), finished on the device (by
+        `dali` for --data-backend dali: see images)."""
         if self.device.type != "cuda":
             for batch in batches:
-                yield self.batch(batch)
+                yield self.batch(batch, dali)
             return
         stream = torch.cuda.Stream(self.device)
         current = torch.cuda.current_stream(self.device)
@@ -653,7 +674,7 @@ class DeviceInput:
             if batch is None:
                 return None
             with torch.cuda.stream(stream):
-                return self.batch(batch)
+                return self.batch(batch, dali)
 
         upcoming = prepare(next(batches, None))
         while upcoming is not None:

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny ImageFolder trees and a runner for the entry scripts."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -114,6 +115,20 @@ def cpu_has_native_bf16() -> bool:
     from common import hardware
 
     return hardware.cpu_half_support().bf16_native
+
+
+# NVIDIA DALI is optional (requirements-dali.txt; CI installs it): the tests of --data-backend dali
+# that run it skip without it, with the reason shown.
+def _dali_installed() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ImportError:  # no nvidia.* package at all
+        return False
+
+
+DALI_INSTALLED = _dali_installed()
+needs_dali = pytest.mark.skipif(not DALI_INSTALLED,
+                                reason="NVIDIA DALI is not installed (pip install -r requirements-dali.txt)")
 
 
 # The markers, declared here rather than in pytest.ini so that they are known however pytest is

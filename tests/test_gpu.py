@@ -140,3 +140,16 @@ def test_the_gpu_data_backend_trains_and_validates_a_jpeg_tree(tmp_path):
         rows = {row["split"]: row for row in csv.DictReader(handle)}
     assert int(rows["train"]["images"]) == 32 and int(rows["val"]["images"]) == 8
     assert math.isfinite(float(rows["train"]["loss"]))
+
+
+@pytest.mark.gpu
+def test_a_profile_on_the_gpu_says_how_long_no_kernel_ran(tmp_path):
+    result = run_script([REPO / "imagenet_nd.py", "--synthetic", "-a", "resnet18", "-b", "64", "--epochs", "1",
+                         "--steps-per-epoch", "8", "--throughput-warmup-steps", "3", "--profile-steps", "3",
+                         "--logdir", tmp_path, "--run-name", "r"], env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    (summary,) = (tmp_path / "r").glob("profile-*/summary.txt")
+    first = summary.read_text().splitlines()[0]
+    idle = float(first.split("the GPU ran no kernel ")[1].split("%")[0])
+    assert first.startswith("3 step(s) profiled: ") and 0.0 <= idle < 100.0
+    assert any(column in summary.read_text() for column in ("Self CUDA", "Self Device"))  # kernels' own time

@@ -26,7 +26,7 @@ from PIL import Image
 from common import data, pipelines
 from common.checkpoint import load
 from common.rundir import CHECKPOINT_NAME, kept_checkpoints
-from conftest import FAST_ARGS, REPO, run_script
+from conftest import FAST_ARGS, REPO, needs_dali, run_script
 
 IS_ROOT = os.geteuid() == 0
 
@@ -152,16 +152,20 @@ def test_every_readable_oddity_decodes_to_its_colour(odd_data):
             assert image.getpixel((0, 0)) == ((60 + 80 * label) % 256,) * 3
 
 
+BACKENDS = ["torchvision", pytest.param("dali", marks=needs_dali)]  # dali: the workers' checks, DALI's decode
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("script, procs", [("imagenet_nd.py", 1), ("imagenet_ddp.py", 2)])
-def test_skip_counts_lists_and_replaces_every_unreadable_image(odd_data, tmp_path, script, procs):
+def test_skip_counts_lists_and_replaces_every_unreadable_image(odd_data, tmp_path, script, procs, backend):
     root, files = odd_data
     # 44 training images: with -b 2 per process, one or two processes visit each of them once per epoch
     # (an epoch leaves out only an incomplete last global batch, and there is none).
     train_images = len(files["readable"]["train"]) + len(files["unreadable"]["train"])
     extra = ["--nproc-per-node", "2"] if procs == 2 else []
     result = run_script([script, root, *ODD_ARGS, "-b", "2", "-j", "1", "--bad-images", "skip", "--logdir",
-                         tmp_path / "runs", "--run-name", "odd", *extra], timeout=600)
+                         tmp_path / "runs", "--run-name", "odd", "--data-backend", backend, *extra], timeout=600)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     run_dir = tmp_path / "runs" / "odd"
@@ -189,9 +193,11 @@ def _first_unreadable_in_order(root: Path, unreadable, batch_size: int, seed: in
     return next(Path(samples[index][0]) for index in sampler if Path(samples[index][0]) in set(unreadable))
 
 
-def test_fail_stops_at_the_first_unreadable_image_naming_it(odd_data, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fail_stops_at_the_first_unreadable_image_naming_it(odd_data, tmp_path, backend):
     root, files = odd_data
-    result = run_script(["imagenet_nd.py", root, *ODD_ARGS, "-b", "2", "-j", "1", "--logdir", tmp_path / "runs"])
+    result = run_script(["imagenet_nd.py", root, *ODD_ARGS, "-b", "2", "-j", "1", "--logdir", tmp_path / "runs",
+                         "--data-backend", backend])
     first = _first_unreadable_in_order(root, files["unreadable"]["train"], batch_size=2)
     assert result.returncode == 2
     lines = result.stderr.splitlines()

@@ -39,6 +39,15 @@ def test_the_expected_files_are_there():
             "slurm_torchrun.sbatch"} <= {path.name for path in SHELL_FILES}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would run its 10 trainings")
+def test_the_gpu_demo_matrix_stops_at_once_without_a_gpu(tmp_path):
+    result = subprocess.run(["bash", RUN_SCRIPTS / "gpu_demo_matrix.sh"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "LOGDIR": str(tmp_path / "runs")})
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"gpu_demo_matrix.sh: error: no CUDA GPU is visible to {sys.executable}"]
+    assert not (tmp_path / "runs").exists()
+
+
 # --- syntax ---
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: path.name)

@@ -3,7 +3,9 @@ warm-up exclusion, exact dataset bytes over two processes, block-device
 sampling (exact rates from known counters; missing counters stay missing),
 the per-class report against hand-computed values, and TensorBoard tags."""
 import csv
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -65,6 +67,7 @@ class SlowLoaders:
 
     seed = 0
     global_batch = BATCH
+    dali = None  # the batches are ready-made tensors
 
     def train_steps(self, limit: int = 0) -> int:
         return self.steps
@@ -343,3 +346,41 @@ def test_unreadable_files_whose_names_are_not_utf8_are_listed_as_their_own_bytes
         b"train/n01/caf\xe9.JPEG,train,0,truncated", b"val/n01/b.JPEG,val,0,empty file"]
     said = capsys.readouterr().out
     assert "could not write" not in said and "e.g. train/n01/caf\\xe9.JPEG (truncated)" in said
+
+
+# --- --profile-steps: torch.profiler over a few training steps ---
+
+def test_busy_time_is_the_union_of_overlapping_kernels():
+    assert measure.busy_microseconds([]) == 0.0
+    assert measure.busy_microseconds([(0, 10), (20, 25)]) == 15.0  # disjoint: the sum
+    assert measure.busy_microseconds([(20, 25), (0, 10), (5, 12), (6, 8)]) == 17.0  # overlapping and nested
+    assert measure.busy_microseconds([(0, 10), (10, 20)]) == 20.0  # touching
+
+
+def test_profile_steps_write_a_trace_and_a_summary_of_the_steps_after_the_warm_up(tmp_path):
+    args = ["imagenet_nd.py", "--synthetic", "-a", "resnet18", "-b", "4", "--image-size", "32", "--epochs", "2",
+            "--steps-per-epoch", "6", "--throughput-warmup-steps", "2", "-p", "100", "--logdir", tmp_path,
+            "--run-name", "r"]
+    result = run_script([*args, "--profile-steps", "3"])
+    assert result.returncode == 0, result.stderr
+    (folder,) = (tmp_path / "r").glob("profile-*")  # the first epoch only, from step 2 on
+    assert folder.name == "profile-epoch000-step000002"
+    summary = (folder / "summary.txt").read_text()
+    assert summary.startswith("3 step(s) profiled: ") and "GPU" not in summary.splitlines()[0]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in summary.splitlines() if line.strip().startswith("step:")]
+    calls = {row[0]: int(row[-1]) for row in rows}  # the table's first and last columns: name, # of calls
+    # The loop's labelled parts, once per profiled step each.
+    assert calls == {name: 3 for name in ("step:stop control", "step:data", "step:seed, lr, guard", "step:forward",
+                                          "step:backward and optimizer", "step:metric sums")}
+    trace = json.loads((folder / "trace.json").read_text())
+    assert sum(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"]) == 3
+    assert "profile: 3 step(s) profiled: " in result.stdout and str(folder / "summary.txt") in result.stdout
+    assert "ERROR" not in result.stderr  # Kineto's complaint about the GPU a CUDA build finds missing
+
+    too_many = run_script([*args, "--profile-steps", "5", "--run-name", "more"])  # 4 steps after the warm-up
+    assert too_many.returncode == 0, too_many.stderr
+    assert "profile: 4 of 5 steps (the epoch ended sooner) profiled: " in too_many.stdout
+    late = run_script([*args, "--profile-steps", "1", "--throughput-warmup-steps", "6", "--run-name", "late"])
+    assert late.returncode == 0, late.stderr
+    assert "profile: the epoch ended before --profile-steps 1 steps after the warm-up; nothing recorded" in late.stdout
+    assert not list((tmp_path / "late").glob("profile-*/summary.txt"))

@@ -1,0 +1,176 @@
+"""--data-backend dali: NVIDIA DALI decodes each batch's JPEGs on the device.
+
+Only the decode changes hands. The data-loading workers do what they do for
+--data-backend gpu (pipelines.DaliImages, an EncodedImages): read each file
+in this project's sampler order, read its header, draw its crop and flip
+from the image's own seed, and hand over the bytes; files DALI should not
+get (not a complete upright RGB or grayscale JPEG: PNG, CMYK, truncated, ...)
+are finished in the worker, where --bad-images decides about the unreadable
+ones. So each process gets exactly the images, in exactly the order, of
+--data-backend torchvision: mid-epoch resume, --bad-images, the bytes read
+and the per-class report work as they do there.
+
+In the training process, one DALI pipeline (DaliDecoder) takes the batch's
+files through DALI's external source and, on a GPU (device "mixed"), decodes
+them with the GPU's hardware JPEG decoder where it has one (A100, H100,
+...) and nvJPEG's CUDA decoder otherwise, decoding only the crop's region
+of each file (ROI decoding), then resizes to S x S and flips, and hands the
+uint8 batch over on the GPU (no host round trip); DeviceInput normalises it
+and sets the model's memory format there, as for every backend. On the CPU
+(device "cpu": libjpeg-turbo in DALI's own threads) the same pipeline runs,
+which is what the tests use. The crop boxes and flips are the project's own,
+so DALI cuts the same boxes as the other backends (a resumed run equals an
+uninterrupted one); only the resampling arithmetic differs (DALI's
+antialiased linear resize; tests/test_dali.py bounds the difference).
+Validation decodes whole files, resizes the short side to --val-resize and
+cuts the centre crop, as the other backends do, in one resize of that region.
+
+DALI is optional (requirements-dali.txt): this module imports it only when a
+DaliDecoder is made, and a missing package is one line naming the package
+that matches the installed PyTorch's CUDA.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import List, Tuple
+
+import numpy as np
+import torch
+
+from common.errors import UsageError, error_summary
+from common.pipelines import EncodedBatch, Geometry, GPUDecodeFallback, stack_images
+
+DALI_REQUIREMENTS = "requirements-dali.txt"
+
+
+def dali_package() -> str:
+    """The DALI wheel built for this PyTorch's CUDA major version
+    (nvidia-dali-cuda120 for CUDA 12.x, nvidia-dali-cuda130 for 13.x); a
+    CPU-only PyTorch can take any: the newest."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    return f"nvidia-dali-cuda{major}0"
+
+
+def import_dali():
+    """nvidia.dali, or a UsageError saying what to install."""
+    try:
+        return importlib.import_module("nvidia.dali")
+    except ModuleNotFoundError:
+        reason = "not installed"
+    except Exception as error:  # a broken or mismatched wheel fails in many ways
+        reason = f"it does not import: {error_summary(error, limit=160)}"
+    cuda = f" for this PyTorch's CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    raise UsageError(f"argument --data-backend: dali needs NVIDIA DALI ({reason}): pip install {dali_package()}"
+                     f"{cuda} (pip install -r {DALI_REQUIREMENTS} for CUDA 13)")
+
+
+def windows(geometry: Geometry, width: int, height: int) -> Tuple[List[float], List[float]]:
+    """Where one output image comes from in a width x height file: the box
+    DALI decodes, as (x, y, width, height), and the region of that box the
+    resize maps onto S x S, as (y0, x0, y1, x1) in the box's pixels (fractions
+    allowed). Training: the crop box, all of it. Validation: the whole file,
+    and the region that resizing the short side to val_resize (torchvision's
+    rounding) and cutting the centre S x S keeps."""
+    if geometry.crop is not None:
+        top, left, crop_height, crop_width = geometry.crop
+        return [left, top, crop_width, crop_height], [0.0, 0.0, crop_height, crop_width]
+    size, short, long = geometry.image_size, min(width, height), max(width, height)
+    resized_long = int(geometry.val_resize * long / short)
+    resized_width, resized_height = ((geometry.val_resize, resized_long) if width <= height
+                                     else (resized_long, geometry.val_resize))
+    top, left = int(round((resized_height - size) / 2.0)), int(round((resized_width - size) / 2.0))
+    scale_y, scale_x = height / resized_height, width / resized_width
+    return [0, 0, width, height], [top * scale_y, left * scale_x, (top + size) * scale_y, (left + size) * scale_x]
+
+
+class DaliDecoder:
+    """The DALI pipeline of one training process: decode(batch) makes the
+    batch's JPEGs N x 3 x S x S uint8 images on the device. Built when first
+    used, in the process that uses it (a pipeline cannot be pickled to
+    another). A file DALI refuses (a JPEG damaged inside, which the workers'
+    header check cannot see) leaves its pipeline unusable: that batch is then
+    decoded on the CPU in this process (Pillow names a file it cannot read
+    either), a warning says so once, and the next batch gets a new pipeline."""
+
+    def __init__(self, device: torch.device, image_size: int, max_batch: int, threads: int):
+        self.dali = import_dali()
+        self.device = device
+        self.image_size = image_size
+        self.max_batch = max_batch
+        self.threads = max(1, threads)
+        self.on_gpu = device.type == "cuda"
+        self._pipeline = None
+        self._warned = False
+
+    @property
+    def version(self) -> str:
+        return self.dali.__version__
+
+    def describe(self) -> str:
+        """One line for the run's header."""
+        where = ("on the GPU: its hardware JPEG decoder where it has one, else nvJPEG" if self.on_gpu
+                 else "on the CPU: libjpeg-turbo")
+        return (f"DALI {self.version} decodes the JPEGs {where}, each crop's region only, in {self.threads} "
+                f"thread(s); other files are finished in the data-loading workers")
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "device": "mixed" if self.on_gpu else "cpu", "threads": self.threads}
+
+    def _build(self):
+        fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
+        device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if self.on_gpu else None
+        # Fed and run one batch at a time (DeviceInput prepares the next batch during the current step).
+        pipeline = self.dali.Pipeline(batch_size=self.max_batch, num_threads=self.threads, device_id=device_id,
+                                      prefetch_queue_depth=1)
+        decode_options = dict(device="mixed" if self.on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
+                              normalized_anchor=False, normalized_shape=False)
+        if self.on_gpu:  # the CPU decoder's chroma upsampling, so the GPU's pixels are libjpeg's (Pillow's)
+            decode_options["jpeg_fancy_upsampling"] = True
+        if "adjust_orientation" in (fn.decoders.image_slice.__doc__ or ""):
+            decode_options["adjust_orientation"] = False  # stored pixels, as Pillow and the reference read them
+        with pipeline:
+            files = fn.external_source(name="files", dtype=types.UINT8, ndim=1)
+            box = fn.external_source(name="box", dtype=types.FLOAT, ndim=1)  # x, y, width, height
+            region = fn.external_source(name="region", dtype=types.FLOAT, ndim=1)  # y0, x0, y1, x1 in the box
+            flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+            images = fn.decoders.image_slice(files, box[0:2], box[2:4], **decode_options)
+            images = fn.resize(images, size=[self.image_size, self.image_size], roi_start=region[0:2],
+                               roi_end=region[2:4], antialias=True)
+            pipeline.set_outputs(fn.flip(images, horizontal=flip))
+        pipeline.build()
+        return pipeline
+
+    def decode(self, batch: EncodedBatch) -> torch.Tensor:
+        """The batch's JPEGs (those it holds as files), cropped, resized and
+        flipped, as N x 3 x S x S uint8 on the device, channels-last in memory."""
+        try:
+            return self._run(batch)
+        except Exception as error:  # DALI's error for a file it cannot decode; its pipeline is unusable now
+            self._pipeline = None
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"DALI refused a batch ({error_summary(error, limit=200)}); such batches are decoded "
+                              f"on the CPU in the training process (slower)", GPUDecodeFallback, stacklevel=2)
+            return stack_images(batch.decode_jpegs(torch.device("cpu"))).to(self.device)
+
+    def _run(self, batch: EncodedBatch) -> torch.Tensor:
+        if self._pipeline is None:
+            self._pipeline = self._build()
+        data = batch.data.numpy()
+        ends = np.cumsum(batch.lengths)
+        boxes, regions = zip(*(windows(geometry, *size) for geometry, size in zip(batch.geometries, batch.sizes)))
+        self._pipeline.feed_input("files", [data[end - length:end] for end, length in zip(ends, batch.lengths)])
+        self._pipeline.feed_input("box", [np.asarray(box, dtype=np.float32) for box in boxes])
+        self._pipeline.feed_input("region", [np.asarray(region, dtype=np.float32) for region in regions])
+        self._pipeline.feed_input("flip", [np.asarray(int(geometry.flip), dtype=np.int32)
+                                           for geometry in batch.geometries])
+        plugin = importlib.import_module("nvidia.dali.plugin.pytorch")
+        stream = torch.cuda.current_stream(self.device) if self.on_gpu else None
+        (output,) = self._pipeline.run(stream.cuda_stream) if self.on_gpu else self._pipeline.run()
+        output = output.as_tensor()
+        images = torch.empty(output.shape(), dtype=torch.uint8, device=self.device)  # N x S x S x 3
+        plugin.feed_ndarray(output, images, cuda_stream=stream)
+        return images.permute(0, 3, 1, 2)
+

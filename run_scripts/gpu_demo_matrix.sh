@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The digits demo (run_scripts/demo.sh) on this machine's GPU with every entry script and every opt level,
+# O0 to O3 in fp16 and bf16: the runs RESULTS.md shows for a GPU (make figures RUNS=...). Each must end at
+# 95% validation top-1 or more; the last lines list any that did not, and the exit status is then 1.
+#
+#   bash run_scripts/gpu_demo_matrix.sh                               # into results/runs/gpu-<date>/
+#   LOGDIR=runs/gpu-check PYTHON=.venv/bin/python bash run_scripts/gpu_demo_matrix.sh --data-backend dali
+#
+# Extra arguments go to every run. About 10 runs of 8 short epochs: minutes on one GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+LOGDIR=${LOGDIR:-results/runs/gpu-$(date +%Y-%m-%d)}
+MIN_TOP1=${MIN_TOP1:-95}
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_demo_matrix.sh: error: no CUDA GPU is visible to $PYTHON" >&2
+  exit 2
+fi
+
+names=()
+run() {  # run NAME SCRIPT [flags...]
+  local name=$1 script=$2
+  shift 2
+  names+=("$name")
+  echo "== $name: $script $*"
+  PYTHON=$PYTHON LOGDIR=$LOGDIR SCRIPT=$script bash run_scripts/demo.sh --run-name "$name" "$@" "${EXTRA[@]}"
+}
+EXTRA=("$@")
+
+run nd imagenet_nd.py
+run dp imagenet_dp.py
+run ddp imagenet_ddp.py
+run apex-O0 imagenet_ddp_apex.py --opt-level O0
+for dtype in fp16 bf16; do
+  for level in O1 O2 O3; do
+    run "apex-$level-$dtype" imagenet_ddp_apex.py --opt-level "$level" --amp-dtype "$dtype"
+  done
+done
+
+# The best validation top-1 of each run, from its metrics.csv.
+"$PYTHON" - "$LOGDIR" "$MIN_TOP1" "${names[@]}" <<'EOF'
+import csv, sys
+from pathlib import Path
+
+logdir, least, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+short = []
+for name in names:
+    with open(logdir / name / "metrics.csv", newline="") as handle:
+        best = max(float(row["top1"]) for row in csv.DictReader(handle) if row["split"] == "val")
+    print(f"{name}: best val top-1 {best:.2f}%")
+    if best < least:
+        short.append(f"{name} ({best:.2f}%)")
+if short:
+    sys.exit(f"below {least:g}% validation top-1: {', '.join(short)}")
+print(f"all {len(names)} runs at {least:g}% or more: {logdir}")
+EOF

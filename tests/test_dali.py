@@ -1,0 +1,312 @@
+"""--data-backend dali (common.dali), on the CPU where DALI runs its CPU
+decoder, and on a GPU (`gpu` marker): each process gets the torchvision
+backend's images in its order (whole epochs, resumed half epochs, one and
+two processes), DALI cuts the same crops within a few gray levels, a file
+DALI refuses costs a warning, not the run, and a missing DALI is one line.
+The --bad-images tests with DALI are in test_robustness.py."""
+import csv
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common import cli, data, dali, pipelines
+from common.distributed import single_process
+from common.pipelines import DaliImages, EncodedBatch, Geometry, TensorImages
+from common.rundir import CHECKPOINT_NAME
+from common.tools.demo_data import write_fake_imagenet
+from conftest import REPO, make_image_folder, needs_dali, run_script
+
+COLOUR_STEP = 8  # gray levels between the colours that number the images: JPEG keeps a flat colour within 2
+
+
+def numbered_tree(root: Path, classes: int = 3, train_per_class: int = 10, val_per_class: int = 3) -> Path:
+    """A tree whose every image is one flat colour that says its number
+    (numbering train/ and val/ apart, in scan order): whatever crop and flip
+    a backend makes, the image it delivers can be told by its mean colour."""
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for label in range(classes):
+            folder = root / split / f"class_{label}"
+            folder.mkdir(parents=True)
+            for index in range(per_class):
+                number = label * per_class + index
+                colour = (4 + COLOUR_STEP * (number % 32), 4 + COLOUR_STEP * (number // 32), 128)
+                Image.new("RGB", (40 + 3 * index, 30 + 2 * label), colour).save(folder / f"{index:02d}.JPEG",
+                                                                                 quality=95)
+    return root
+
+
+def image_numbers(images: torch.Tensor) -> list:
+    """The number each uint8 image of a batch shows (numbered_tree)."""
+    mean = images.double().mean(dim=(2, 3))
+    levels = ((mean[:, :2] - 4) / COLOUR_STEP).round().long()
+    return (levels[:, 0] + 32 * levels[:, 1]).tolist()
+
+
+def uint8_batches(loaders: data.Loaders, loader) -> list:
+    """The uint8 images of each batch of `loader`, on the CPU, as the device would get them."""
+    for batch in loader:
+        image = batch.image
+        yield image.decode(torch.device("cpu"), loaders.dali) if isinstance(image, EncodedBatch) else image, batch
+
+
+def seen(loaders: data.Loaders, loader) -> list:
+    """(image number, class index) of every sample `loader` yields, in order."""
+    pairs = []
+    for images, batch in uint8_batches(loaders, loader):
+        assert images.shape[1:] == (3, 24, 24) and images.dtype == torch.uint8
+        pairs += list(zip(image_numbers(images), batch.target.tolist()))
+    return pairs
+
+
+def loaders_for(root: Path, backend: str, rank: int, world_size: int) -> data.Loaders:
+    cfg = cli.parse("nd", [str(root), "-b", "3", "-j", "1", "--image-size", "24", "--val-resize", "28",
+                           "--data-backend", backend])
+    ctx = dataclasses.replace(single_process("cpu"), rank=rank, world_size=world_size)
+    return data.build_loaders(cfg, ctx)
+
+
+@needs_dali
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_process_gets_the_torchvision_backends_images_in_its_order(tmp_path, world_size):
+    root = numbered_tree(tmp_path / "numbered")
+    for rank in range(world_size):
+        orders = {}
+        for backend in ("torchvision", "dali"):
+            loaders = loaders_for(root, backend, rank, world_size)
+            assert (loaders.dali is not None) == (backend == "dali")
+            loaders.set_epoch(1)
+            whole = seen(loaders, loaders.train)
+            half = 3 * world_size * 2  # two global batches of the epoch's five (30 images, 3 per process)
+            loaders.set_epoch(1, images_done=half)
+            resumed = seen(loaders, loaders.train)
+            orders[backend] = whole, resumed, seen(loaders, loaders.val)
+        (whole, resumed, val) = orders["dali"]
+        assert orders["dali"] == orders["torchvision"]
+        # ... and that order is this process's share of the sampler's: positions rank, rank + W, ... of
+        # the epoch's permutation, and after a resume the rest of them.
+        loaders.set_epoch(1)
+        expected = [index for index in loaders.train.sampler]
+        assert [number for number, _ in whole] == expected and len(whole) == 30 // world_size
+        assert resumed == whole[len(whole) - len(resumed):] and len(resumed) == len(whole) - half // world_size
+        assert [number for number, _ in val] == list(range(rank, 9, world_size))  # every image once overall
+        assert all(target == number // 10 for number, target in whole) and all(
+            target == number // 3 for number, target in val)
+
+
+def test_validation_windows_are_torchvisions_resize_and_centre_crop():
+    """The region DALI resizes to S x S is the one that resizing the short
+    side to val_resize and cutting the centre S x S keeps (torchvision's
+    rounding: the long side truncated, the offsets rounded)."""
+    geometry = Geometry(224, val_resize=256)
+    box, region = dali.windows(geometry, 500, 375)  # resized to 341 x 256: offsets 16 (rows) and 58 (columns)
+    assert box == [0, 0, 500, 375]
+    assert region == pytest.approx([16 * 375 / 256, 58 * 500 / 341, 240 * 375 / 256, 282 * 500 / 341])
+    box, region = dali.windows(geometry, 375, 500)  # portrait: 256 x 341
+    assert region == pytest.approx([58 * 500 / 341, 16 * 375 / 256, 282 * 500 / 341, 240 * 375 / 256])
+    _, region = dali.windows(Geometry(224, val_resize=224), 224, 224)  # nothing to resize, nothing to cut
+    assert region == pytest.approx([0, 0, 224, 224])
+    crop = Geometry(64, crop=(10, 20, 30, 40), flip=True)  # training: (top, left, height, width), all of it
+    assert dali.windows(crop, 500, 375) == ([20, 10, 40, 30], [0.0, 0.0, 30, 40])
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory) -> list:
+    """ImageNet-shaped JPEGs, a grayscale and a progressive JPEG (DALI's),
+    and a CMYK JPEG and a PNG (finished in the worker)."""
+    root = tmp_path_factory.mktemp("fake") / "tree"
+    write_fake_imagenet(root, classes=1, train_per_class=8, val_per_class=1)
+    paths = sorted(str(path) for path in (root / "train").rglob("*.JPEG"))
+    source = Image.open(paths[0]).convert("RGB")
+    source.convert("L").save(root / "gray.jpg", quality=90)
+    source.save(root / "progressive.jpg", quality=90, progressive=True)
+    source.convert("CMYK").save(root / "cmyk.jpg", quality=90)
+    source.save(root / "image.png")
+    return paths + [str(root / name) for name in ("gray.jpg", "progressive.jpg", "cmyk.jpg", "image.png")]
+
+
+def encoded_batch(paths, pipeline, seed: int = 0) -> EncodedBatch:
+    samples = []
+    for offset, path in enumerate(paths):
+        torch.manual_seed(seed + offset)  # the crop and flip draws of the image, as its dataset seeds them
+        encoded, file_bytes, _ = pipeline(path)
+        samples.append(data.Sample(encoded, 0, file_bytes))
+    return data.collate(samples).image
+
+
+def torchvision_images(paths, train: bool, size: int, seed: int = 0) -> torch.Tensor:
+    fast = TensorImages(train, size, val_resize=256, reduced_decode=False)
+    images = []
+    for offset, path in enumerate(paths):
+        torch.manual_seed(seed + offset)
+        images.append(fast(path)[0])
+    return torch.stack(images)
+
+
+@needs_dali
+@pytest.mark.parametrize("train, size, most", [(True, 224, 4), (False, 224, 2), (True, 64, 4)],
+                         ids=["train-224", "val-224", "train-64"])
+def test_dali_cuts_the_torchvision_backends_crops_within_a_few_gray_levels(jpegs, train, size, most):
+    """The same boxes and flips (the project's draws), decoded by DALI: only
+    the resampling differs (measured: at most 3 levels, means below 0.2, on
+    the CPU decoder); a box off by a pixel would differ by tens of levels."""
+    # Full-size decoding in the workers too (the CMYK file), as torchvision_images does.
+    batch = encoded_batch(jpegs, DaliImages(train, size, val_resize=256, reduced_decode=False))
+    assert batch.is_jpeg == [True] * (len(jpegs) - 2) + [False, False]  # CMYK and PNG: finished in the worker
+    decoder = dali.DaliDecoder(torch.device("cpu"), size, max_batch=len(jpegs), threads=2)
+    got = batch.decode(torch.device("cpu"), decoder)
+    expected = torchvision_images(jpegs, train, size)
+    assert got.shape == expected.shape == (len(jpegs), 3, size, size) and got.dtype == torch.uint8
+    assert got.is_contiguous(memory_format=torch.channels_last)  # as every uint8 batch reaches DeviceInput
+    difference = (got.int() - expected.int()).abs().double()
+    assert difference.amax().item() <= most, difference.amax(dim=(1, 2, 3)).tolist()
+    assert difference.mean(dim=(1, 2, 3)).max().item() <= 0.3
+    assert torch.equal(got[-2:], expected[-2:])  # the worker's own images pass through untouched
+
+
+def _jpeg_bytes(width: int = 48, height: int = 32, seed: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _damaged_inside(encoded: bytes) -> bytes:
+    """A JPEG whose header and end marker are whole (the workers' checks
+    pass it on) but whose frame says 3 components and the scan 2."""
+    scan = encoded.index(b"\xff\xda")
+    return encoded[:scan + 4] + bytes([2]) + encoded[scan + 5:]
+
+
+@needs_dali
+def test_a_file_dali_refuses_costs_one_warning_and_a_cpu_decode_not_the_run(tmp_path):
+    good = _jpeg_bytes()
+    bad = tmp_path / "bad.JPEG"
+    bad.write_bytes(_damaged_inside(good))
+    files = [tmp_path / f"good{index}.JPEG" for index in range(2)]
+    for path in files:
+        path.write_bytes(good)
+    pipeline = DaliImages(True, 16)
+    decoder = dali.DaliDecoder(torch.device("cpu"), 16, max_batch=3, threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        healthy = encoded_batch([str(path) for path in files], pipeline).decode(torch.device("cpu"), decoder)
+    refused = encoded_batch([str(files[0]), str(bad)], pipeline)
+    assert refused.is_jpeg == [True, True]  # nothing the workers could see
+    with pytest.warns(pipelines.GPUDecodeFallback, match="DALI refused a batch"), \
+            pytest.raises(pipelines.BadImageError, match=r"bad\.JPEG: cannot decode image .*too late for --bad-imag"):
+        refused.decode(torch.device("cpu"), decoder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a new pipeline, and no second warning
+        assert torch.equal(encoded_batch([str(path) for path in files], pipeline).decode(torch.device("cpu"),
+                                                                                         decoder), healthy)
+
+
+def test_without_dali_the_backend_is_one_line_naming_the_package(tmp_path):
+    """nvidia.dali made unimportable in the script's own process (whether or
+    not it is installed here): exit 2 and one line before any data is read."""
+    tree = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    hide_dali = ("import runpy, sys; sys.modules['nvidia.dali'] = None; sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+    completed = subprocess.run([sys.executable, "-c", hide_dali, "imagenet_nd.py", str(tree), "--data-backend",
+                                "dali", "--logdir", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 2, completed.stderr
+    package = dali.dali_package()
+    assert package == (f"nvidia-dali-cuda{torch.version.cuda.split('.')[0]}0" if torch.version.cuda
+                       else "nvidia-dali-cuda130")
+    assert completed.stderr.splitlines() == [
+        f"imagenet_nd.py: error: argument --data-backend: dali needs NVIDIA DALI (not installed): pip install "
+        f"{package}{dali_cuda_words()} (pip install -r requirements-dali.txt for CUDA 13)"]
+    assert not (tmp_path / "runs").exists()
+
+
+def dali_cuda_words() -> str:
+    return f" for this PyTorch's CUDA {torch.version.cuda}" if torch.version.cuda else ""
+
+
+# --- end to end: two processes, a mid-epoch resume, the same counts as the torchvision backend ---
+
+RUN = ["-a", "squeezenet1_1", "--dropout", "0", "--image-size", "32", "--val-resize", "36", "-b", "4", "-j", "1",
+       "--nproc-per-node", "2", "--epochs", "2", "-p", "1"]
+ENV = {"OMP_NUM_THREADS": "1"}  # identical numerics in every run's processes
+
+
+def rows(run_dir: Path) -> list:
+    with open(run_dir / "metrics.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def final_weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@needs_dali
+@pytest.mark.slow
+def test_two_processes_train_with_dali_and_a_mid_epoch_resume_equals_the_whole_run(tmp_path):
+    tree = make_image_folder(tmp_path / "data", classes=3, train_per_class=8, val_per_class=3, size=48)
+    whole = run_script([REPO / "imagenet_ddp.py", tree, *RUN, "--data-backend", "dali", "--checkpoint-every",
+                        "2steps", "--keep-checkpoints", "5", "--logdir", tmp_path / "whole", "--run-name", "r"],
+                       env_extra=ENV)
+    assert whole.returncode == 0, whole.stderr
+    assert f"DALI {dali.import_dali().__version__} decodes the JPEGs on the CPU" in whole.stdout
+    run_dir = tmp_path / "whole" / "r"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["resolved"]["dali"]["device"] == "cpu"
+    reference = run_script([REPO / "imagenet_ddp.py", tree, *RUN, "--logdir", tmp_path / "tv", "--run-name", "r"],
+                           env_extra=ENV)
+    assert reference.returncode == 0, reference.stderr
+    counted = ["epoch", "split", "images", "steps", "dataset_bytes"]
+    # 24 training images: 3 global batches of 8 an epoch; 9 validation images, each counted once.
+    assert [[row[key] for key in counted] for row in rows(run_dir)] == \
+        [[row[key] for key in counted] for row in rows(tmp_path / "tv" / "r")]
+    assert [(row["split"], row["images"]) for row in rows(run_dir)] == [("train", "24"), ("val", "9")] * 2
+
+    kept = tmp_path / "kept"
+    shutil.copytree(run_dir, kept)
+    mid_epoch = run_dir / "checkpoint-epoch001-images00000008.pth.tar"  # a checkpoint every 2 of the 6 steps
+    assert torch.load(mid_epoch, weights_only=True)["images_done"] == 8
+    resumed = run_script([REPO / "imagenet_ddp.py", tree, *RUN, "--data-backend", "dali", "--resume", mid_epoch],
+                         env_extra=ENV)
+    assert resumed.returncode == 0, resumed.stderr
+    ours, theirs = final_weights(run_dir), final_weights(kept)
+    # DALI cuts the run's own crops, so the resumed half epoch trains on the same pixels.
+    assert max((ours[key].double() - theirs[key].double()).abs().max().item() for key in theirs) <= 1e-6
+    same = ["epoch", "split", "loss", "top1", "top5", "images", "steps"]
+    assert [[row[key] for key in same] for row in rows(run_dir)] == [[row[key] for key in same] for row in rows(kept)]
+
+
+# --- on a GPU: the hardware decoder / nvJPEG path ---
+
+@needs_dali
+@pytest.mark.gpu
+def test_the_gpu_decodes_the_cpu_decoders_crops_within_a_few_gray_levels(jpegs):
+    batch = encoded_batch(jpegs, DaliImages(True, 224))
+    on_gpu = batch.decode(torch.device("cuda"), dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4))
+    on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), 224, len(jpegs), 2))
+    assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
+    difference = (on_gpu.cpu().int() - on_cpu.int()).abs().double()
+    # nvJPEG and the hardware decoder use their own IDCTs (the chroma upsampling is set to libjpeg's).
+    assert difference.mean(dim=(1, 2, 3)).max().item() <= 1.0 and difference.amax().item() <= 16
+
+
+@needs_dali
+@pytest.mark.gpu
+def test_a_gpu_run_with_dali_trains_and_counts_every_image(tmp_path):
+    tree = make_image_folder(tmp_path / "data", classes=3, train_per_class=16, val_per_class=5, size=64)
+    result = run_script([REPO / "imagenet_nd.py", tree, "-a", "resnet18", "--image-size", "32", "--val-resize", "36",
+                         "-b", "8", "-j", "2", "--epochs", "1", "--data-backend", "dali", "--logdir", tmp_path / "runs",
+                         "--run-name", "r"], env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "decodes the JPEGs on the GPU" in result.stdout
+    assert [(row["split"], row["images"]) for row in rows(tmp_path / "runs" / "r")] == [("train", "48"),
+                                                                                         ("val", "15")]
