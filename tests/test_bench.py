@@ -1,18 +1,24 @@
 """The benchmark harness (python -m common.tools.bench): one JSON line per
-configuration with the documented fields, the same rows in the CSV, and the
-ratios computed from them."""
+configuration with the documented fields, the same rows in the CSV; the
+median and spread of repeats taken round-robin in fresh processes; the GPU's
+state from nvidia-smi (a stand-in script here); FLOPs per image and MFU; the
+end-to-end rows per data backend; and the ratios computed from them."""
 import csv
 import dataclasses
 import json
+import os
+import re
+import statistics
+import sys
 
 import pytest
 
+from common.errors import UsageError
 from common.tools import bench
 from conftest import cpu_has_native_bf16, make_image_folder, run_command
 
-import sys
-
 NUMBERS = ("images_per_second", "ms_per_step", "peak_memory_mib")
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 def json_rows(stdout: str) -> list:
@@ -37,6 +43,12 @@ def check_rows(rows: list, csv_path) -> None:
         [row["images_per_second"] for row in rows]
 
 
+def settings(**changes) -> bench.Settings:
+    return dataclasses.replace(bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32,
+                                              warmup_steps=1, steps=1, workers=[1], data=None, input_batches=2),
+                               **changes)
+
+
 def test_record_has_every_field_and_refuses_unknown_ones():
     row = bench.record(section="train", config="nd", images_per_second=1.0)
     assert tuple(row) == bench.FIELDS and row["ms_per_step"] == ""
@@ -51,57 +63,369 @@ def test_ratios_are_the_configurations_quotients_against_their_targets():
             bench.record(section="input", config="reference", workers=1, images_per_second_per_worker=100.0),
             bench.record(section="input", config="reference", workers=2, images_per_second_per_worker=90.0),
             bench.record(section="input", config="torchvision", workers=2, images_per_second_per_worker=150.0),
-            bench.record(section="end-to-end", config="nd", images_per_second=6.0)]
+            bench.record(section="end-to-end", config="nd", data_backend="synthetic", images_per_second=12.5),
+            bench.record(section="end-to-end", config="nd", data_backend="torchvision", images_per_second=6.0)]
     lines = bench.ratios(rows)
     assert lines[0].startswith("train: fp32 (imagenet_nd.py) over the reference loop: 1.20x") and "met)" in lines[0]
     assert ": 2.10x" in lines[1] and "NOT met" in lines[1]
     assert ": 1.50x" in lines[2] and "NOT met" in lines[2]  # the best per-worker figure of each: 150 / 100
-    assert lines[3] == "end-to-end: real JPEGs over synthetic data, nd: 0.50 (1.00 = not input-bound)"
+    # Over the end-to-end section's own synthetic row (6 / 12.5), measured in the same rounds, not the train one's.
+    assert lines[3] == ("end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: 0.48 "
+                        "(1.00 = not input-bound)")
+    # A CSV from before the end-to-end section had its synthetic row: the train section's (6 / 12).
+    assert bench.ratios(rows[:6] + rows[7:])[3].endswith("nd: 0.50 (1.00 = not input-bound)")
 
 
-def test_gpu_ratios_state_the_absolute_target_and_what_the_input_alone_could_feed():
+def gpu_rows(spread: float = 3.0, dali: float = 3900.0, **dali_fields) -> list:
     gpu = dict(cuda="13.0")
-    rows = [bench.record(section="train", config="reference", images_per_second=1800.0, **gpu),
-            bench.record(section="train", config="ddp_apex O2 channels_last", images_per_second=3100.0, **gpu),
+    config = "ddp_apex O2 channels_last"
+    return [bench.record(section="train", config="reference", images_per_second=1800.0, **gpu),
+            bench.record(section="train", config=config, images_per_second=4100.0, repeats=3,
+                         spread_percent=spread, mfu_percent=10.07, **gpu),
             bench.record(section="input", config="torchvision", workers=6, images_per_second=1550.0, **gpu),
-            bench.record(section="input", config="torchvision", workers=12, images_per_second=2790.0, **gpu),
-            bench.record(section="input", config="gpu", workers=12, images_per_second=3410.0, **gpu)]
-    assert bench.ratios(rows) == [
-        "train: ResNet-50 AMP + channels-last, images/s on synthetic data (one H100): 3100.00 images/s "
-        "(target >= 3000 images/s on the GPU: met)",
+            bench.record(section="input", config="torchvision", workers=12, images_per_second=2870.0, **gpu),
+            bench.record(section="input", config="gpu", workers=12, images_per_second=3485.0, **gpu),
+            bench.record(section="end-to-end", config=config, data_backend="synthetic", images_per_second=4000.0,
+                         **gpu),
+            bench.record(section="end-to-end", config=config, data_backend="torchvision", images_per_second=2600.0,
+                         **gpu),
+            bench.record(section="end-to-end", config=config, data_backend="gpu", images_per_second=3400.0, **gpu),
+            bench.record(section="end-to-end", config=config, data_backend="dali", images_per_second=dali,
+                         **dict(gpu, **dali_fields))]
+
+
+def test_gpu_ratios_state_each_target_met_or_not():
+    assert bench.ratios(gpu_rows()) == [
+        "train: ResNet-50 AMP + channels-last, images/s on synthetic data (one H100): 4100 (median of 3, MFU 10.1%; "
+        "target >= 4000, aim 5000: met)",
+        "train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 3.0% (target <= 5%: met)",
         "input alone: the torchvision backend's best images/s over ddp_apex O2 channels_last's synthetic training: "
-        "0.90 (what it could feed; the end-to-end row measures both at once)",
+        "0.70 (what it could feed; the end-to-end row measures both at once)",
         "input alone: the gpu backend's best images/s over ddp_apex O2 channels_last's synthetic training: "
-        "1.10 (what it could feed; the end-to-end row measures both at once)"]
+        "0.85 (what it could feed; the end-to-end row measures both at once)",
+        "end-to-end: real JPEGs with --data-backend torchvision over synthetic data, ddp_apex O2 channels_last: 0.65 "
+        "(1.00 = not input-bound)",
+        "end-to-end: real JPEGs with --data-backend gpu over synthetic data, ddp_apex O2 channels_last: 0.85 "
+        "(1.00 = not input-bound)",
+        "end-to-end: real JPEGs with --data-backend dali over synthetic data, ddp_apex O2 channels_last: 0.97 "
+        "(1.00 = not input-bound) (target >= 0.95 on the GPU: met)"]
+    missed = bench.ratios(gpu_rows(spread=6.2, dali=3700.0))
+    assert "train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 6.2% (target <= 5%: NOT met)" in missed
+    assert missed[-1].endswith(": 0.93 (1.00 = not input-bound) (target >= 0.95 on the GPU: NOT met)")
+    absent = bench.ratios(gpu_rows(dali="", note=bench.DALI_MISSING))
+    assert absent[-1] == ("end-to-end: ddp_apex O2 channels_last with --data-backend dali: not measured (not "
+                          "installed: pip install -r requirements-dali.txt)")
 
 
-def test_input_rounds_alternate_the_configurations_and_keep_each_ones_best(tmp_path, monkeypatch):
+def test_repeats_alternate_the_configurations_and_rows_report_median_and_spread(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     calls = []
     speeds = {("reference", 1): [50.0, 70.0, 60.0], ("pil", 1): [90.0, 80.0, 85.0], ("torchvision", 1): [100.0] * 3}
+    memory = iter(range(1, 10))
 
-    def measured(spec):
+    def measured(spec, *args):
         calls.append(spec["backend"])
-        return {"images_per_second": speeds[spec["backend"], spec["workers"]].pop(0), "ms_per_step": 1.0,
-                "peak_memory_mib": 1.0, "images_per_second_per_worker": 1.0}
+        speed = speeds[spec["backend"], spec["workers"]].pop(0)
+        return {"images_per_second": speed, "ms_per_step": 1000.0 / speed, "peak_memory_mib": float(next(memory)),
+                "images_per_second_per_worker": speed, "process": len(calls), "gpu_readings": None}
 
     monkeypatch.setattr(bench, "run_child", measured)
-    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
-                              workers=[1], data=str(root), input_batches=2, input_rounds=3)
-    rows = bench.input_section(settings, str(root))
+    rows = bench.input_section(settings(data=str(root), input_repeats=3), str(root))
     assert calls == ["reference", "pil", "torchvision"] * 3  # round after round, not one configuration's three
-    assert [(row["config"], row["images_per_second"]) for row in rows] == [
-        ("reference", 70.0), ("pil", 90.0), ("torchvision", 100.0)]
+    summary = [(row["config"], row["images_per_second"], row["images_per_second_min"], row["images_per_second_max"],
+                row["spread_percent"], row["repeats"], row["peak_memory_mib"]) for row in rows]
+    assert summary == [("reference", 60.0, 50.0, 70.0, 33.33, 3, 7.0),  # (70 - 50) / 60; the largest peak memory
+                       ("pil", 85.0, 80.0, 90.0, 11.76, 3, 8.0),  # (90 - 80) / 85
+                       ("torchvision", 100.0, 100.0, 100.0, 0.0, 3, 9.0)]
+    assert [row["ms_per_step"] for row in rows] == [round(1000 / 60, 2), round(1000 / 85, 2), 10.0]  # medians too
+    assert [row["images_per_second_per_worker"] for row in rows] == [60.0, 85.0, 100.0]
+    assert all(row["sm_clock_mhz"] == "" and row["gpu_samples"] == "" for row in rows)  # the GPU was not sampled
+    assert all(row["mfu_percent"] == "" and row["gflop_per_image"] == "" for row in rows)  # no training there
 
 
-@pytest.mark.slow  # six fresh processes (35 s); the rounds and ratios are unit-tested above
+def _fake_measurements(monkeypatch, images_per_second: float = 10.0) -> list:
+    """bench's subprocess measurements replaced by a fixed figure; returns the configurations asked for."""
+    asked = []
+    figures = {"images_per_second": images_per_second, "ms_per_step": 1.0, "peak_memory_mib": 1.0,
+               "images_per_second_per_worker": images_per_second}
+    monkeypatch.setattr(bench, "run_child", lambda spec, *args: asked.append(spec.get("backend", spec["kind"])) or
+                        figures)
+    monkeypatch.setattr(bench, "run_script", lambda script, flags, *args, **kwargs: asked.append(
+        " ".join([script] + flags)) or dict(figures, precision="fp32", memory_format="contiguous",
+                                            measured_steps=1, warmup_steps=1))
+    return asked
+
+
+def test_a_configuration_that_fails_gets_a_row_saying_why_and_the_others_go_on(tmp_path, monkeypatch):
+    asked = _fake_measurements(monkeypatch)
+    real = bench.run_script
+
+    def failing(script, flags, *args, **kwargs):
+        if "--memory-format" in flags:
+            raise bench.ChildFailed(["python", script], 1, "Traceback ...\nRuntimeError: out of memory\n")
+        return real(script, flags, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_script", failing)
+    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "")
+    saved = []
+    rows = bench.train_section(settings(repeats=2), tmp_path, with_compile=False,
+                               only=["nd", "nd contiguous"], save=saved.append)
+    assert asked == ["reference-train", "imagenet_nd.py"] * 2  # the failed one is not tried again
+    failed = rows[2]
+    assert (failed["config"], failed["images_per_second"], failed["repeats"], failed["note"]) == (
+        "nd contiguous", "", "", "failed in repeat 1: exit 1: RuntimeError: out of memory")
+    assert [(row["config"], row["images_per_second"], row["repeats"]) for row in rows[:2]] == [
+        ("reference", 10.0, 2), ("nd", 10.0, 2)]
+    # After the first round the CSV had the rows so far, with the one repeat each had then.
+    assert len(saved) == 1 and [(row["repeats"], row["spread_percent"]) for row in saved[0]] == [
+        (1, ""), (1, ""), ("", "")]  # no spread of one measurement
+    # The command writes every row, then exits with status 1, naming what failed.
+    csv_path = tmp_path / "bench.csv"
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--sections", "train", "--configs", "nd", "nd contiguous", "-b", "4", "--image-size", "32",
+                    "--csv", str(csv_path)])
+    assert stopped.value.code == 1
+    with open(csv_path, newline="") as handle:
+        written = list(csv.DictReader(handle))
+    assert [(row["config"], row["note"]) for row in written] == [
+        ("reference", ""), ("nd", ""), ("nd contiguous", "failed in repeat 1: exit 1: RuntimeError: out of memory")]
+
+
+def test_train_configurations_named_run_compiled_ones_without_the_compile_flag(tmp_path, monkeypatch):
+    asked = _fake_measurements(monkeypatch)
+    rows = bench.train_section(settings(), tmp_path, with_compile=False, only=["nd compile"])
+    assert asked == ["reference-train", "imagenet_nd.py --compile"]
+    assert [(row["config"], row["compile"]) for row in rows] == [("reference", False), ("nd compile", True)]
+    asked.clear()
+    every = bench.train_section(settings(), tmp_path, with_compile=False)
+    assert [row["config"] for row in every] == ["reference"] + [
+        name for name, script, _ in bench.TRAIN_CONFIGS if script != "imagenet_dp.py"]  # no DataParallel on the CPU
+    asked.clear()
+    compiled = bench.train_section(settings(), tmp_path, with_compile=True)
+    assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in bench.COMPILE_CONFIGS]
+
+
+def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "bf16 emulated on this CPU (AVX2)"
+                        if "O1" in flags or "O2" in flags else "")
+    asked = _fake_measurements(monkeypatch)
+    rows = bench.train_section(settings(repeats=2), tmp_path, with_compile=False)
+    assert "imagenet_ddp_apex.py --nproc-per-node 1 --opt-level O1" not in asked  # not run at all
+    skipped = {row["config"]: (row["precision"], row["images_per_second"], row["note"]) for row in rows if row["note"]}
+    assert skipped == {
+        "ddp_apex O1": ("O1 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)"),
+        "ddp_apex O2 channels_last": ("O2 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated "
+                                                     "times it)")}
+    lines = bench.ratios(rows)
+    assert lines[:3] == [
+        "train: fp32 (imagenet_nd.py) over the reference loop: 1.00x (target >= 1x on the 2-core CPU: met)",
+        "train: imagenet_ddp_apex.py's own choice of precision over the reference loop: 1.00x (target >= 1x on the "
+        "2-core CPU: met)",
+        "train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated on this CPU "
+        "(AVX2): skipped (--measure-emulated times it)); not a speed-up on this machine"]
+    # Asked to, it times them anyway, and labels them.
+    measured = bench.train_section(settings(measure_emulated=True), tmp_path, with_compile=False)
+    labelled = {row["config"]: row["note"] for row in measured if row["note"]}
+    assert labelled == {"ddp_apex O1": "bf16 emulated on this CPU (AVX2)",
+                        "ddp_apex O2 channels_last": "bf16 emulated on this CPU (AVX2)"}
+    assert all(row["images_per_second"] == 10.0 for row in measured)
+    next(row for row in measured if row["config"] == "ddp_apex O1")["images_per_second"] = 0.5  # 20x slower
+    assert "train: ddp_apex O1 over the reference loop: 0.05x (bf16 emulated on this CPU (AVX2): a slowdown to " \
+           "avoid, not a speed-up)" in bench.ratios(measured)
+
+
+def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    _fake_measurements(monkeypatch, images_per_second=0.0)
+    rows = bench.input_section(settings(data=str(root), input_repeats=2), str(root))
+    assert [(row["config"], row["images_per_second"], row["spread_percent"]) for row in rows] == [
+        ("reference", 0.0, ""), ("pil", 0.0, ""), ("torchvision", 0.0, "")]  # no spread around a median of 0
+
+
+def test_end_to_end_trains_on_the_jpegs_with_each_backend_beside_synthetic_data(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    ran = []
+
+    def script(script, flags, settings, logdir, data=None, workers=0):
+        ran.append((script, flags, data, workers))
+        speed = {None: 20.0, "torchvision": 15.0, "gpu": 18.0}[flags[-1] if data else None]
+        return {"images_per_second": speed, "ms_per_step": 4000 / speed, "peak_memory_mib": 1.0,
+                "precision": "fp32", "memory_format": "channels_last", "measured_steps": 1, "warmup_steps": 1}
+
+    monkeypatch.setattr(bench, "run_script", script)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # DALI not installed, as `import nvidia.dali` then says
+    rows = bench.end_to_end_section(settings(workers=[1, 2], repeats=2, backends=("torchvision", "gpu", "dali")),
+                                    tmp_path, str(root))
+    every_round = [("imagenet_nd.py", [], None, 0), ("imagenet_nd.py", ["--data-backend", "torchvision"], str(root), 2),
+                   ("imagenet_nd.py", ["--data-backend", "gpu"], str(root), 2)]
+    assert ran == every_round * 2  # dali: never started
+    assert [(row["section"], row["config"], row["data_backend"], row["workers"], row["images_per_second"],
+             row["repeats"], row["note"]) for row in rows] == [
+        ("end-to-end", "nd", "synthetic", 0, 20.0, 2, ""), ("end-to-end", "nd", "torchvision", 2, 15.0, 2, ""),
+        ("end-to-end", "nd", "gpu", 2, 18.0, 2, ""),
+        ("end-to-end", "nd", "dali", 2, "", "", "not installed: pip install -r requirements-dali.txt")]
+    assert all(row["gflop_per_image"] == pytest.approx(0.2203, abs=1e-3) for row in rows[:3])  # training rows
+    assert bench.ratios(rows) == [
+        "end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: 0.75 (1.00 = not input-bound)",
+        "end-to-end: real JPEGs with --data-backend gpu over synthetic data, nd: 0.90 (1.00 = not input-bound)",
+        "end-to-end: nd with --data-backend dali: not measured (not installed: pip install -r requirements-dali.txt)"]
+
+
+def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():
+    for device, batch, warmup, steps, input_batches in (("cuda", 256, 10, 40, 40), ("cpu", 32, 3, 8, 10)):
+        plan = settings(device=device, batch_size=batch, warmup_steps=warmup, steps=steps, input_batches=input_batches)
+        files = bench.FAKE_CLASSES * bench.fake_imagenet_per_class(plan)
+        assert files >= batch * (warmup + steps + 1)  # an end-to-end run's batches, and one the sampler may drop
+        assert files >= batch * (input_batches + 2)
+    gpu = settings(batch_size=256, warmup_steps=10, steps=40, input_batches=40)
+    assert bench.FAKE_CLASSES * bench.fake_imagenet_per_class(gpu) == 13056  # 51 batches of 256 for 50 read
+
+
+def test_training_flops_per_image_are_counted_forward_and_backward():
+    resnet50 = bench.training_gflop_per_image("resnet50", 224)
+    # ResNet-50's forward pass is 4.1 G multiply-adds (8.2 GFLOP); backward about twice that: ~3 x 8.2.
+    assert 23.5 < resnet50 < 24.7, resnet50
+    assert 10.0 < bench.training_gflop_per_image("resnet18", 224) < 11.0  # 1.8 G multiply-adds forward
+
+
+def test_mfu_is_model_flops_over_the_datasheet_peak_of_the_rows_precision(monkeypatch):
+    assert bench.gpu_peak_tflops(H100, "O2 fp16") == bench.gpu_peak_tflops(H100, "O1 bf16") == 989.4
+    assert bench.gpu_peak_tflops(H100, "fp32") == 494.7  # TF32 tensor cores
+    assert bench.gpu_peak_tflops("NVIDIA H200", "O2 bf16") == 989.4
+    assert bench.gpu_peak_tflops("NVIDIA H100 PCIe", "O2 fp16") == 756.5
+    assert bench.gpu_peak_tflops("NVIDIA H100 PCIe", "fp32") == 378.0
+    assert bench.gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 156.0
+    assert bench.gpu_peak_tflops("NVIDIA A100 80GB PCIe", "O3 bf16") == 312.0
+    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 fp16") == 125.0
+    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "fp32") == 15.7  # no TF32 on Volta
+    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 bf16") is None  # nor bf16
+    for unknown in ("NVIDIA H100 NVL", "NVIDIA GeForce RTX 4090", "AMD EPYC (2 cores)"):
+        assert bench.gpu_peak_tflops(unknown, "O2 fp16") is None
+    assert bench.mfu_percent(4000.0, 24.3, 989.4) == pytest.approx(100 * 4000 * 24.3e9 / 989.4e12)  # 9.82%
+
+    monkeypatch.setattr(bench, "training_gflop_per_image", lambda arch, image_size: 24.3)
+    fields = dict(section="train", config="ddp_apex O2 channels_last", arch="resnet50", image_size=224,
+                  precision="O2 fp16", device_name=H100)
+    measured = [{"images_per_second": speed, "ms_per_step": 1.0, "peak_memory_mib": 1.0} for speed in (3900.0, 4000.0,
+                                                                                                      4100.0)]
+    row = bench.finish(fields, measured, None, settings(device="cuda"))
+    assert (row["gflop_per_image"], row["peak_tflops"], row["mfu_percent"]) == (24.3, 989.4, 9.82)  # at the median
+    cpu = bench.finish(dict(fields, device_name="AMD EPYC (2 cores)"), measured, None, settings())
+    assert (cpu["gflop_per_image"], cpu["peak_tflops"], cpu["mfu_percent"]) == (24.3, "", "")  # no CPU peak
+    given = bench.finish(fields, measured, None, settings(peak_tflops=100.0))
+    assert (given["peak_tflops"], given["mfu_percent"]) == (100.0, 97.2)  # --peak-tflops: 4000 x 24.3 / 100e3
+
+
+# --- the GPU's state, from a stand-in nvidia-smi ---
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+here=$(dirname "$0")
+echo "$*" >> "$here/calls"
+if [ -e "$here/broken" ]; then echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; \
+exit 9; fi
+case "$*" in *clocks_event_reasons*) if [ -e "$here/old-driver" ]; then \
+echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2; fi;; esac
+cat "$here/answer"
+"""
+
+
+@pytest.fixture
+def nvidia_smi(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi first on PATH: it answers `answer`'s line, logs its arguments to `calls`."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (folder / "nvidia-smi").chmod(0o755)
+    (folder / "answer").write_text("1755, 612.25, 67, 98, 0x0000000000000004\n")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return folder
+
+
+def test_the_gpu_is_sampled_while_a_measured_process_runs(nvidia_smi):
+    monitor = bench.GpuMonitor(["GPU-1234"], interval=0.1)
+    assert (monitor.gpu, monitor.query) == (
+        "GPU-1234", "clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active")
+    ran = bench._run([sys.executable, "-c", "import time; time.sleep(0.6)"], monitor)
+    samples = ran["gpu_readings"]
+    assert len(samples) >= 2 and set(samples) == {bench.GpuSample(1755.0, 612.25, 67.0, 98.0, 0x4)}
+    assert ran["process"] != os.getpid()
+    calls = (nvidia_smi / "calls").read_text().splitlines()
+    assert len(calls) == 1 + len(samples)  # the probe, then one a sample
+    assert set(calls) == {"--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,"
+                          "clocks_event_reasons.active --format=csv,noheader,nounits -i GPU-1234"}
+    assert bench.gpu_state(samples) == {"gpu_samples": len(samples), "sm_clock_mhz": 1755, "power_w": 612.2,
+                                        "temperature_c": 67, "throttle_reasons": "sw_power_cap"}
+
+
+def test_an_older_driver_is_asked_for_its_throttle_reasons(nvidia_smi):
+    (nvidia_smi / "old-driver").touch()
+    monitor = bench.GpuMonitor(["0"])
+    assert monitor.gpu == "0" and monitor.query.endswith(",clocks_throttle_reasons.active")
+
+
+@pytest.mark.parametrize("case", ["missing", "broken"])
+def test_without_an_answer_from_nvidia_smi_nothing_is_sampled_and_nothing_fails(nvidia_smi, monkeypatch, case):
+    if case == "missing":
+        monkeypatch.setenv("PATH", str(nvidia_smi.parent / "empty"))
+    else:
+        (nvidia_smi / "broken").touch()
+    monitor = bench.GpuMonitor(["GPU-1234", "0"])
+    assert monitor.gpu is None
+    assert monitor.problem == ("nvidia-smi not found" if case == "missing" else
+                               "nvidia-smi -i 0 (exit 9): NVIDIA-SMI has failed because it couldn't communicate with "
+                               "the NVIDIA driver.")
+    with monitor.sampling() as samples:
+        assert samples is None
+    assert bench.gpu_state(None) == {}
+
+
+def test_the_gpu_sampled_is_the_one_the_runs_use(monkeypatch):
+    import torch
+
+    class Properties:
+        uuid = "58e5a9a6-1c2d-4e5f-8a9b-0c1d2e3f4a5b"  # as torch prints it, without nvidia-smi's GPU- prefix
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert bench.gpus_to_sample("cuda", None) == ["GPU-58e5a9a6-1c2d-4e5f-8a9b-0c1d2e3f4a5b", "2", "0"]
+    assert bench.gpus_to_sample("cuda", "GPU-1") == bench.gpus_to_sample("cpu", "GPU-1") == ["GPU-1"]  # --gpu-index
+    assert bench.gpus_to_sample("cpu", None) == []  # the CPU: nothing sampled
+
+
+def test_a_rows_gpu_state_is_over_the_busy_samples_of_all_its_repeats():
+    busy = [bench.GpuSample(1980.0, 650.0, 60.0, 100.0, 0x0), bench.GpuSample(1755.0, 699.5, 66.0, 100.0, 0x4),
+            bench.GpuSample(1830.0, 680.0, 64.0, 97.0, 0x4 | 0x20)]
+    idle = bench.GpuSample(345.0, 70.0, 40.0, 0.0, 0x1)  # between processes: not what the work ran at
+    unreadable = bench.GpuSample(None, None, None, None, None)  # [N/A] everywhere: counted as busy, adds nothing
+    measured = [{"images_per_second": 10.0, "ms_per_step": 1.0, "peak_memory_mib": 1.0, "gpu_readings": samples}
+                for samples in ([idle, busy[0]], [busy[1], idle, unreadable], [busy[2]])]
+    state = bench.summarize(measured)
+    assert {key: state[key] for key in ("sm_clock_mhz", "power_w", "temperature_c", "throttle_reasons",
+                                        "gpu_samples")} == {
+        "sm_clock_mhz": 1830, "power_w": 680.0, "temperature_c": 66,  # medians of 3, and the highest
+        "throttle_reasons": "sw_power_cap sw_thermal_slowdown", "gpu_samples": 4}
+    assert bench.gpu_state([busy[0]])["throttle_reasons"] == "none"
+    assert bench.parse_gpu_sample("1410, [N/A], 45, 0, [Not Supported]") == bench.GpuSample(1410.0, None, 45.0, 0.0,
+                                                                                           None)
+    assert bench.parse_gpu_sample("No devices were found") is None
+
+
+def test_command_line_mistakes_are_one_line(tmp_path):
+    with pytest.raises(UsageError, match="--input-rounds: replaced by --repeats N"):
+        bench.main(["--input-rounds", "3"])
+    with pytest.raises(UsageError, match="--backends: gpu decodes on a GPU; it needs --device cuda"):
+        bench.main(["--device", "cpu", "--backends", "gpu", "--csv", str(tmp_path / "x.csv")])
+
+
+# --- the harness as a command, in real processes (slow) ---
+
+@pytest.mark.slow  # six fresh processes (35 s); the repeats and ratios are unit-tested above
 def test_input_section_prints_one_json_line_per_backend_and_worker_count(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     csv_path = tmp_path / "bench.csv"
     completed = run_command([sys.executable, "-m", "common.tools.bench", "--sections", "input", "--data", root,
-                             "--workers", "0", "1", "-b", "4", "--input-batches", "2", "--input-rounds", "1",
-                             "--image-size", "32",
-                             "--csv", csv_path])
+                             "--workers", "0", "1", "-b", "4", "--input-batches", "2", "--repeats", "1",
+                             "--image-size", "32", "--csv", csv_path])
     assert completed.returncode == 0, completed.stderr[-3000:]
     rows = json_rows(completed.stdout)
     assert [(row["config"], row["workers"]) for row in rows] == [
@@ -136,75 +460,53 @@ def test_train_section_runs_each_script_and_the_reference_loop(tmp_path):
     }
     timed = [row for row in rows if row["images_per_second"] != ""]
     assert len(timed) == (7 if native else 5)
-    assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 for row in timed)
+    assert all(row["measured_steps"] == 2 and row["warmup_steps"] == 1 and row["repeats"] == 1 for row in timed)
+    assert all(row["gflop_per_image"] == pytest.approx(0.2203, abs=1e-3) and row["mfu_percent"] == "" for row in timed)
     assert any(line.startswith("train: fp32 (imagenet_nd.py) over the reference loop: ")
                for line in completed.stdout.splitlines())
 
 
-def _fake_measurements(monkeypatch, images_per_second: float = 10.0) -> list:
-    """bench's subprocess measurements replaced by a fixed figure; returns the configurations asked for."""
-    asked = []
-    figures = {"images_per_second": images_per_second, "ms_per_step": 1.0, "peak_memory_mib": 1.0,
-               "images_per_second_per_worker": images_per_second}
-    monkeypatch.setattr(bench, "run_child", lambda spec: asked.append(spec.get("backend", spec["kind"])) or figures)
-    monkeypatch.setattr(bench, "run_script", lambda script, flags, *args, **kwargs: asked.append(
-        " ".join([script] + flags)) or dict(figures, precision="fp32", memory_format="contiguous",
-                                            measured_steps=1, warmup_steps=1))
-    return asked
-
-
-def test_train_configurations_named_run_compiled_ones_without_the_compile_flag(tmp_path, monkeypatch):
-    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
-                              workers=[1], data=None, input_batches=2, input_rounds=1)
-    asked = _fake_measurements(monkeypatch)
-    rows = bench.train_section(settings, tmp_path, with_compile=False, only=["nd compile"])
-    assert asked == ["reference-train", "imagenet_nd.py --compile"]
-    assert [(row["config"], row["compile"]) for row in rows] == [("reference", False), ("nd compile", True)]
-    asked.clear()
-    every = bench.train_section(settings, tmp_path, with_compile=False)
-    assert [row["config"] for row in every] == ["reference"] + [
-        name for name, script, _ in bench.TRAIN_CONFIGS if script != "imagenet_dp.py"]  # no DataParallel on the CPU
-    asked.clear()
-    compiled = bench.train_section(settings, tmp_path, with_compile=True)
-    assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in bench.COMPILE_CONFIGS]
-
-
-def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "bf16 emulated on this CPU (AVX2)"
-                        if "O1" in flags or "O2" in flags else "")
-    asked = _fake_measurements(monkeypatch)
-    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
-                              workers=[1], data=None, input_batches=2, input_rounds=1)
-    rows = bench.train_section(settings, tmp_path, with_compile=False)
-    assert "imagenet_ddp_apex.py --nproc-per-node 1 --opt-level O1" not in asked  # not run at all
-    skipped = {row["config"]: (row["precision"], row["images_per_second"], row["note"]) for row in rows if row["note"]}
-    assert skipped == {
-        "ddp_apex O1": ("O1 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)"),
-        "ddp_apex O2 channels_last": ("O2 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated "
-                                                     "times it)")}
-    lines = bench.ratios(rows)
-    assert lines[:3] == [
-        "train: fp32 (imagenet_nd.py) over the reference loop: 1.00x (target >= 1x on the 2-core CPU: met)",
-        "train: imagenet_ddp_apex.py's own choice of precision over the reference loop: 1.00x (target >= 1x on the "
-        "2-core CPU: met)",
-        "train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated on this CPU "
-        "(AVX2): skipped (--measure-emulated times it)); not a speed-up on this machine"]
-    # Asked to, it times them anyway, and labels them.
-    measured = bench.train_section(dataclasses.replace(settings, measure_emulated=True), tmp_path, with_compile=False)
-    labelled = {row["config"]: row["note"] for row in measured if row["note"]}
-    assert labelled == {"ddp_apex O1": "bf16 emulated on this CPU (AVX2)",
-                        "ddp_apex O2 channels_last": "bf16 emulated on this CPU (AVX2)"}
-    assert all(row["images_per_second"] == 10.0 for row in measured)
-    next(row for row in measured if row["config"] == "ddp_apex O1")["images_per_second"] = 0.5  # 20x slower
-    assert "train: ddp_apex O1 over the reference loop: 0.05x (bf16 emulated on this CPU (AVX2): a slowdown to " \
-           "avoid, not a speed-up)" in bench.ratios(measured)
-
-
-def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):
+@pytest.mark.slow  # eight fresh processes (about a minute)
+def test_repeats_run_in_fresh_processes_and_rows_carry_the_gpu_state_and_mfu(tmp_path, nvidia_smi):
+    """The whole command with a stand-in nvidia-smi (--gpu-index samples it on the CPU too) and a given peak."""
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
-    _fake_measurements(monkeypatch, images_per_second=0.0)
-    settings = bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32, warmup_steps=1, steps=1,
-                              workers=[1], data=str(root), input_batches=2, input_rounds=2)
-    rows = bench.input_section(settings, str(root))
-    assert [(row["config"], row["images_per_second"]) for row in rows] == [
-        ("reference", 0.0), ("pil", 0.0), ("torchvision", 0.0)]
+    csv_path = tmp_path / "bench.csv"
+    completed = run_command([sys.executable, "-m", "common.tools.bench", "--sections", "train", "end-to-end",
+                             "--configs", "nd", "--repeats", "2", "-b", "2", "--image-size", "32", "--steps", "2",
+                             "--warmup-steps", "1", "--data", root, "--workers", "1", "--gpu-index", "3",
+                             "--peak-tflops", "0.5", "--csv", csv_path],
+                            env_extra={"PATH": os.environ["PATH"]}, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json_rows(completed.stdout)
+    check_rows(rows, csv_path)
+    assert [(row["section"], row["config"], row["data_backend"]) for row in rows] == [
+        ("train", "reference", "synthetic"), ("train", "nd", "synthetic"), ("end-to-end", "nd", "synthetic"),
+        ("end-to-end", "nd", "torchvision")]
+    assert rows[3]["command"].endswith(" --data-backend torchvision") and f" {root} " in rows[3]["command"]
+    # Each repeat a process of its own, two per configuration, taken round-robin.
+    progress = re.findall(r"^(train|end-to-end) (\S+(?: \S+)?): ([\d.]+) images/s, [\d.]+ ms/step \(repeat (\d) of 2, "
+                          r"process (\d+)\)$", completed.stdout, flags=re.M)
+    assert [(section, label, repeat) for section, label, _, repeat, _ in progress] == [
+        ("train", "reference", "1"), ("train", "nd", "1"), ("train", "reference", "2"), ("train", "nd", "2"),
+        ("end-to-end", "synthetic", "1"), ("end-to-end", "--data-backend torchvision", "1"),
+        ("end-to-end", "synthetic", "2"), ("end-to-end", "--data-backend torchvision", "2")]
+    processes = {process for *_, process in progress}
+    assert len(processes) == 8 and str(os.getpid()) not in processes
+    for row, label in zip(rows, ("reference", "nd", "synthetic", "--data-backend torchvision")):
+        section = row["section"]
+        speeds = [float(speed) for found, name, speed, _, _ in progress if (found, name) == (section, label)]
+        # The progress lines have one decimal, the rows two.
+        assert row["repeats"] == 2 and row["images_per_second"] == pytest.approx(statistics.median(speeds), abs=0.051)
+        assert (row["images_per_second_min"], row["images_per_second_max"]) == pytest.approx(
+            (min(speeds), max(speeds)), abs=0.051)
+        assert row["spread_percent"] == pytest.approx(  # of the unrounded figures
+            100 * (row["images_per_second_max"] - row["images_per_second_min"]) / row["images_per_second"], abs=0.05)
+        assert (row["sm_clock_mhz"], row["power_w"], row["temperature_c"], row["throttle_reasons"]) == (
+            1755, 612.2, 67, "sw_power_cap")
+        assert row["gpu_samples"] >= 2
+        assert row["mfu_percent"] == pytest.approx(row["images_per_second"] * row["gflop_per_image"] / 500 * 100,
+                                                   rel=0.01)
+    assert set((nvidia_smi / "calls").read_text().splitlines()) == {
+        "--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active "
+        "--format=csv,noheader,nounits -i 3"}
+    assert "end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: " in completed.stdout

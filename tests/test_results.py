@@ -76,6 +76,16 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, case):
     assert done.stderr.startswith("python -m common.tools.results: error: ")
 
 
+# The columns of the harness's CSVs before issue 25 (no half-precision support) and issue 19 (no repeats, MFU,
+# GPU state).
+OLD_BENCH_FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "precision", "memory_format",
+                    "compile", "data_backend", "workers", "images_per_second", "images_per_second_per_worker",
+                    "ms_per_step", "peak_memory_mib", "measured_steps", "warmup_steps", "device_name", "cpu_threads",
+                    "torch", "torchvision", "cuda", "host", "date")
+OLD_BENCH_HEADER = ("| section | configuration | precision | memory format | data | workers | images/s | "
+                    "images/s per worker | ms/step | peak memory (MiB) |")
+
+
 def test_bench_tables_name_each_machines_half_precision_support(tmp_path):
     from common.tools import bench
 
@@ -88,13 +98,59 @@ def test_bench_tables_name_each_machines_half_precision_support(tmp_path):
     new = tmp_path / "new.csv"
     bench.write_csv(rows, new)
     old = tmp_path / "old.csv"  # written before the harness recorded half-precision support
-    old.write_text("\n".join(",".join(str(row[field]) for field in bench.FIELDS[:-4]) for row in
-                             [dict(zip(bench.FIELDS, bench.FIELDS))] + rows[:2]) + "\n")
+    old.write_text("\n".join(",".join(str(row[field]) for field in OLD_BENCH_FIELDS) for row in
+                             [dict(zip(OLD_BENCH_FIELDS, OLD_BENCH_FIELDS))] + rows[:2]) + "\n")
     text = results.bench_section([str(new), str(old)])
     assert "host `vm`; capability AVX2: bf16 emulated, fp16 emulated." in text
     assert "| train | ddp_apex O2 channels_last | O2 bf16 | — |  |  | — (bf16 emulated on this CPU (AVX2): skipped" in text
     assert "host `vm`; half-precision support not recorded by this version of the harness." in text
     assert "- train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated" in text
+    # Neither CSV has repeats, MFU or GPU state: their tables have the columns they always had.
+    assert text.count(OLD_BENCH_HEADER) == 2 and "spread" not in text and "MFU" not in text
+
+
+def test_bench_tables_show_the_median_spread_mfu_and_gpu_state_where_measured(tmp_path):
+    from common.tools import bench
+
+    gpu = dict(device_name="NVIDIA H100 80GB HBM3", date="2026-12-01", torch="2.14.1", torchvision="0.29.1",
+               cuda="13.0", cpu_threads=16, host="vm", capability="sm_90", bf16_native=True, fp16_native=True,
+               arch="resnet50", image_size=224, batch_size=256)
+    state = dict(sm_clock_mhz=1755, power_w=690.5, temperature_c=71, throttle_reasons="sw_power_cap", gpu_samples=40)
+    rows = [bench.record(section="train", config="reference", precision="fp32", images_per_second=1850.0, repeats=3,
+                         images_per_second_min=1840.0, images_per_second_max=1860.0, spread_percent=1.08,
+                         gflop_per_image=24.299, peak_tflops=494.7, mfu_percent=9.09, ms_per_step=138.4,
+                         **state, **gpu),
+            bench.record(section="train", config="ddp_apex O2 channels_last", precision="O2 fp16",
+                         images_per_second=4100.0, repeats=3, spread_percent=6.5, gflop_per_image=24.299,
+                         peak_tflops=989.4, mfu_percent=10.07, ms_per_step=62.4, **dict(state, sm_clock_mhz=1980),
+                         **gpu),
+            bench.record(section="input", config="torchvision", data_backend="torchvision", workers=12, repeats=3,
+                         images_per_second=2900.0, spread_percent=2.0, images_per_second_per_worker=241.7,
+                         sm_clock_mhz=1410, power_w=120.0, temperature_c=45, throttle_reasons="none", gpu_samples=5,
+                         **gpu),
+            bench.record(section="end-to-end", config="ddp_apex O2 channels_last", data_backend="dali", workers=12,
+                         note=bench.DALI_MISSING, **gpu)]
+    path = tmp_path / "h100.csv"
+    bench.write_csv(rows, path)
+    text = results.bench_section([str(path)])
+    assert "images/s and ms/step are the medians, the spread is (max - min) / median of its images/s" in text
+    assert ("| section | configuration | precision | memory format | data | workers | images/s | spread (repeats) | "
+            "images/s per worker | ms/step | MFU | peak memory (MiB) | SM clock (MHz) | power (W) | max temp. (°C) | "
+            "throttle reasons |") in text
+    assert ("| train | ddp_apex O2 channels_last | O2 fp16 | — |  |  | 4,100.0 | 6.5% (3) | — | 62.4 | 10.1% | — | "
+            "1,980 | 690 | 71 | sw_power_cap |") in text
+    assert ("| input | torchvision | — | — | torchvision | 12 | 2,900.0 | 2.0% (3) | 241.7 | — | — | — | 1,410 | 120 | "
+            "45 | none |") in text
+    assert ("| end-to-end | ddp_apex O2 channels_last | — | — | dali | 12 | — (not installed: pip install -r "
+            "requirements-dali.txt) | — | — | — | — | — | — | — | — | — |") in text
+    assert ("- MFU: the model's FLOP/s at the row's median images/s over the device's peak for the row's precision; "
+            "24.3 GFLOP per training image of resnet50 at 224 px (forward and backward, as torch.utils.flop_counter "
+            "counts them); peak 989.4 TFLOP/s for O2 fp16, 494.7 TFLOP/s for fp32 (NVIDIA's datasheets, dense, TF32 "
+            "for fp32 rows from Ampere on: common/tools/bench.py GPU_PEAK_TFLOPS)") in text
+    assert "- GPU state: nvidia-smi read every 0.5 s while the row's processes ran" in text
+    assert "- train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 6.5% (target <= 5%: NOT met)" in text
+    assert ("- end-to-end: ddp_apex O2 channels_last with --data-backend dali: not measured (not installed: pip "
+            "install -r requirements-dali.txt)") in text
 
 
 @pytest.mark.parametrize("recorded, shown", [

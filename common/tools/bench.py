@@ -1,12 +1,15 @@
 """Speed, measured side by side against the plain reference, in one run.
 
     make bench                                     # the CPU harness (ResNet-18, batch 32): ~6 minutes on 2 cores
-    python -m common.tools.bench --device cuda           # on a GPU: ResNet-50, batch 256
+    python -m common.tools.bench --device cuda           # on a GPU: ResNet-50, batch 256, 3 repeats of everything
     python -m common.tools.bench --sections input --data /path/to/imagenet --workers 4 8 16
 
-Three sections, each configuration in a fresh process (so peak memory is its
-own; the input section first reads its files once, so every configuration
-meets the same warm file cache):
+Three sections. Each configuration is measured --repeats times, each time in a
+fresh process (so peak memory is its own), the repeats taken round-robin over
+the section's configurations (a drift of the machine's speed spreads over all
+alike); a row reports the median of its repeats and their spread. The input
+and end-to-end sections first read their files once, so every configuration
+meets the same warm file cache.
 
   train        training steps on synthetic data (no disk): each entry
                script's own configuration, run as the script itself
@@ -19,11 +22,16 @@ meets the same warm file cache):
                common.tools.demo_data when --data is not given), per data backend
                and worker count, next to the plain reference pipeline
                (torchvision.datasets.ImageFolder, Pillow RandomResizedCrop +
-               flip + ToTensor + Normalize, default collation); measured in
-               --input-rounds alternating rounds, each configuration's best.
-  end-to-end   the default script configuration on those JPEGs: its
-               throughput over the same configuration's synthetic one says
-               how input-bound training is.
+               flip + ToTensor + Normalize, default collation).
+  end-to-end   the fastest train configuration on those JPEGs with each data
+               backend of --backends (`--data-backend B`), beside the same
+               configuration on synthetic data in the same rounds: real over
+               synthetic says how input-bound training is.
+
+Beside each row: on a GPU, its SM clock, power draw, temperature and clock
+event (throttle) reasons, sampled from nvidia-smi while the row's processes
+ran (GpuMonitor); for training rows, the model's FLOPs per image and the MFU
+(model FLOP/s over the GPU's dense peak for the row's precision).
 
 Every configuration prints one JSON line (images/s, ms/step, peak memory,
 what ran, on what, with which versions); all of them go to a CSV (--csv) that
@@ -34,31 +42,40 @@ Timings on a shared or small machine are noisy: compare ratios from one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import platform
+import re
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from common.arguments import Parser, non_negative_int, positive_int
-from common.errors import UsageError, run_main
+from common.arguments import Parser, non_negative_int, positive_float, positive_int
+from common.errors import FAILED_EXIT_STATUS, UsageError, error_summary, run_main
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The fields of every JSON line and CSV row, in order (tests check them).
+# The fields of every JSON line and CSV row, in order (tests check them). images_per_second and
+# ms_per_step are the medians of the row's `repeats`; spread_percent is (max - min) / median of its
+# images/s. The GPU's state (sm_clock_mhz ... gpu_samples) is over the samples of all its repeats.
 FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "precision", "memory_format",
           "compile", "data_backend", "workers", "images_per_second", "images_per_second_per_worker", "ms_per_step",
-          "peak_memory_mib", "measured_steps", "warmup_steps", "device_name", "cpu_threads", "torch", "torchvision",
-          "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note")
+          "repeats", "images_per_second_min", "images_per_second_max", "spread_percent", "gflop_per_image",
+          "peak_tflops", "mfu_percent", "peak_memory_mib", "measured_steps", "warmup_steps", "sm_clock_mhz",
+          "power_w", "temperature_c", "throttle_reasons", "gpu_samples", "device_name", "cpu_threads", "torch",
+          "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note")
 
 # (config name, script, extra flags): the entry scripts' configurations of the train section.
 # imagenet_ddp*.py run as one process here; on a GPU imagenet_dp.py is DataParallel over one GPU.
@@ -77,16 +94,12 @@ COMPILE_CONFIGS = (
     ("ddp_apex O2 channels_last compile", "imagenet_ddp_apex.py",
      ["--nproc-per-node", "1", "--opt-level", "O2", "--memory-format", "channels_last", "--compile"]),
 )
-INPUT_BACKENDS = ("reference", "pil", "torchvision", "gpu")
+INPUT_BACKENDS = ("reference", "pil", "torchvision", "gpu", "dali")  # dali: when --backends names it (a GPU's default)
 END_TO_END_CONFIG = {False: "nd", True: "ddp_apex O2 channels_last"}  # by: on a GPU
+END_TO_END_BACKENDS = ("torchvision", "gpu", "dali")  # what --data-backend each end-to-end row trains with
+DALI_MISSING = "not installed: pip install -r requirements-dali.txt"
 
-# Targets of the README, as (name, numerator config, denominator config, section, at least); a
-# denominator of None: an absolute images/s figure.
-GPU_TARGETS = (
-    ("train: ResNet-50 AMP + channels-last, images/s on synthetic data (one H100)", "ddp_apex O2 channels_last",
-     None, "train", 3000.0),
-    ("train: the same with --compile", "ddp_apex O2 channels_last compile", None, "train", 3000.0),
-)
+# Targets of the README, as (name, numerator config, denominator config, section, at least).
 CPU_TARGETS = (
     ("train: fp32 (imagenet_nd.py) over the reference loop", "nd", "reference", "train", 1.0),
     ("train: imagenet_ddp_apex.py's own choice of precision over the reference loop", "ddp_apex auto", "reference",
@@ -97,6 +110,14 @@ CPU_TARGETS = (
     ("input: images/s per worker, torchvision backend over the reference pipeline", "torchvision", "reference",
      "input", 2.0),
 )
+# On one H100 (issue 19): the best default --opt-level O2 configuration on synthetic data, as
+# (what, config); its median images/s at least GPU_IMAGES_PER_SECOND (the aim beyond it: GPU_AIM),
+# the spread of its repeats within GPU_SPREAD_PERCENT; real JPEGs end to end with a backend of
+# END_TO_END_TARGETS at least that fraction of the same configuration's synthetic figure.
+GPU_SYNTHETIC = (("ResNet-50 AMP + channels-last", "ddp_apex O2 channels_last"),
+                 ("the same with --compile", "ddp_apex O2 channels_last compile"))
+GPU_IMAGES_PER_SECOND, GPU_AIM, GPU_SPREAD_PERCENT = 4000.0, 5000.0, 5.0
+END_TO_END_TARGETS = {"dali": 0.95}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +131,12 @@ class Settings:
     workers: Sequence[int]
     data: Optional[str]
     input_batches: int
-    input_rounds: int = 1
+    repeats: int = 1  # measurements of each train and end-to-end configuration, each in a fresh process
+    input_repeats: int = 1  # the same for the input section
+    backends: Sequence[str] = ("torchvision",)  # the end-to-end section's data backends
     measure_emulated: bool = False  # time half-precision configurations this device only emulates (slowly)
+    peak_tflops: Optional[float] = None  # the device's peak for MFU, instead of GPU_PEAK_TFLOPS's
+    gpu: Optional["GpuMonitor"] = None  # samples the GPU's state while each measured process runs
 
 
 def versions() -> Dict[str, object]:
@@ -198,7 +223,8 @@ def reference_input(root: str, image_size: int, batch_size: int, workers: int):
 
 def _same_order(length: int, batch_size: int):
     """The shuffle every configuration of the input section reads in (the
-    project's epoch-0 order, seed 0), so all read the same files."""
+    project's epoch-0 order, seed 0, which the scripts' first epoch also
+    takes), so all read the same files."""
     from common.data import TrainSampler
 
     sampler = TrainSampler(length, rank=0, world_size=1, batch_size=batch_size, seed=0)
@@ -207,8 +233,9 @@ def _same_order(length: int, batch_size: int):
 
 
 def warm_page_cache(root: str, images: int, batch_size: int) -> None:
-    """Read once the files the input section will read, so that no
-    configuration is timed on a colder file cache than another."""
+    """Read once the files the first `images` of that order name, which the
+    input and end-to-end sections will read, so that no configuration (nor
+    repeat) is timed on a colder file cache than another."""
     from common.data import scan_split
 
     _, samples = scan_split(Path(root, "train"))
@@ -244,6 +271,7 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
     from common import cli, data, distributed
     from common.pipelines import DeviceInput
 
+    dali = None  # --data-backend dali's decoder, which finishes its batches on the device
     if backend == "reference":
         loader = reference_input(root, image_size, batch_size, workers)
     else:
@@ -251,13 +279,13 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
                                "--data-backend", backend, "--device", device])
         loaders = data.build_loaders(cfg, distributed.single_process(device))
         loaders.set_epoch(0)
-        loader = loaders.train
+        loader, dali = loaders.train, loaders.dali
     finish = DeviceInput(torch.device(device), channels_last=backend != "reference")
     images, started = 0, None
     for index, batch in enumerate(loader):
         if backend == "reference":  # (images, target) pairs
             batch = data.Sample(*batch, file_bytes=0)
-        finished = finish.batch(batch)
+        finished = finish.batch(batch, dali)
         if index == 0:
             _synchronize(device)
             started = time.perf_counter()
@@ -280,18 +308,34 @@ def child(spec: dict) -> dict:
                          spec["batches"], spec["device"])
 
 
-def run_child(spec: dict) -> dict:
+def run_child(spec: dict, gpu: Optional["GpuMonitor"] = None) -> dict:
+    """child(spec) in a fresh process: its figures, with that process's id and the GPU's samples (_run)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
-        _run([sys.executable, "-m", "common.tools.bench", "--child", json.dumps(spec), "--child-out", str(out)])
-        return json.loads(out.read_text())
+        ran = _run([sys.executable, "-m", "common.tools.bench", "--child", json.dumps(spec), "--child-out", str(out)],
+                   gpu)
+        return dict(json.loads(out.read_text()), **ran)
 
 
-def _run(command: List[str]) -> None:
-    """Run `command` from the repository; its output is shown only if it fails."""
-    done = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+class ChildFailed(RuntimeError):
+    """A measured process that exited with an error: its row says so, and the harness goes on."""
+
+    def __init__(self, command: List[str], status: int, output: str):
+        super().__init__(f"{' '.join(command)} failed (exit {status}):\n{output[-3000:]}")
+        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "no output")
+        self.reason = f"exit {status}: {last[:300]}"
+
+
+def _run(command: List[str], gpu: Optional["GpuMonitor"] = None) -> dict:
+    """Run `command` from the repository, sampling the GPU meanwhile when `gpu`
+    is given; its output is shown only if it fails (ChildFailed). Returns the
+    process's id and the GPU's samples (None: not sampled)."""
+    with gpu.sampling() if gpu else contextlib.nullcontext() as samples:
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output, _ = process.communicate()
+    if process.returncode != 0:
+        raise ChildFailed(command, process.returncode, output)
+    return {"process": process.pid, "gpu_readings": samples}
 
 
 def run_script(script: str, flags: List[str], settings: Settings, logdir: Path, data: Optional[str] = None,
@@ -306,7 +350,7 @@ def run_script(script: str, flags: List[str], settings: Settings, logdir: Path, 
                "--epochs", "1", "--steps-per-epoch", str(settings.warmup_steps + settings.steps),
                "--throughput-warmup-steps", str(settings.warmup_steps), "--checkpoint-every", "0",
                "--io-interval", "0", "-p", "1000000", "--logdir", str(logdir), "--run-name", run_name, *flags]
-    _run(command)
+    ran = _run(command, settings.gpu)
     run_dir = logdir / run_name
     row = pandas.read_csv(run_dir / "metrics.csv").query("split == 'train'").iloc[-1]
     config = json.loads((run_dir / "config.json").read_text())
@@ -319,40 +363,355 @@ def run_script(script: str, flags: List[str], settings: Settings, logdir: Path, 
             "ms_per_step": 1000.0 * float(row["seconds_per_step"]),
             "peak_memory_mib": float(peak), "precision": resolved.get("precision", ""),
             "memory_format": "channels_last" if resolved.get("channels_last") else "contiguous",
-            "command": " ".join(["python", *command[1:]]).replace(str(logdir), "LOGDIR")}
+            "command": " ".join(["python", *command[1:]]).replace(str(logdir), "LOGDIR"), **ran}
+
+
+# --- the GPU's state beside each row (nvidia-smi) ---
+
+# What is asked of nvidia-smi, in its --query-gpu names (nvidia-smi --help-query-gpu), then the
+# clock event reasons: `clocks_event_reasons.active` since driver 535, `clocks_throttle_reasons.active`
+# before (the first that the driver knows is used).
+GPU_STATE_QUERY = ("clocks.sm", "power.draw", "temperature.gpu", "utilization.gpu")
+CLOCK_REASON_QUERIES = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+# The bits of that mask (NVML's nvmlClocksEventReason* constants), named as nvidia-smi's per-reason
+# fields are (clocks_event_reasons.sw_power_cap, ...).
+CLOCK_EVENT_REASONS = ((0x1, "gpu_idle"), (0x2, "applications_clocks_setting"), (0x4, "sw_power_cap"),
+                       (0x8, "hw_slowdown"), (0x10, "sync_boost"), (0x20, "sw_thermal_slowdown"),
+                       (0x40, "hw_thermal_slowdown"), (0x80, "hw_power_brake_slowdown"),
+                       (0x100, "display_clock_setting"))
+GPU_IDLE = 0x1
+
+
+class GpuSample(NamedTuple):
+    """One nvidia-smi reading; None where it said [N/A] or [Not Supported]."""
+    sm_clock_mhz: Optional[float]
+    power_w: Optional[float]
+    temperature_c: Optional[float]
+    utilization_percent: Optional[float]
+    reasons: Optional[int]  # CLOCK_EVENT_REASONS bits
+
+    @property
+    def busy(self) -> bool:
+        """Whether a kernel ran in the sample's period: the clocks of an idle
+        GPU (a process starting, loading data) are not what the work ran at."""
+        if self.utilization_percent is not None:
+            return self.utilization_percent > 0
+        return self.reasons is None or not self.reasons & GPU_IDLE
+
+
+def parse_gpu_sample(line: str) -> Optional[GpuSample]:
+    """A GpuSample from one line of `--format=csv,noheader,nounits`; None if it is not one."""
+    values = [value.strip() for value in line.split(",")]
+    if len(values) != len(GPU_STATE_QUERY) + 1:
+        return None
+
+    def number(text: str, base: int = 0) -> Optional[float]:
+        try:
+            return int(text, 16) if base == 16 else float(text)
+        except ValueError:
+            return None
+
+    return GpuSample(*(number(value) for value in values[:-1]), number(values[-1], 16))
+
+
+class GpuMonitor:
+    """The GPU's SM clock, power draw, temperature, load and clock event
+    reasons as nvidia-smi reports them, read every `interval` seconds in a
+    background thread while a measured process runs (sampling()). Made with
+    the GPUs to try (nvidia-smi's -i: an index or a UUID), it asks each once
+    and keeps the first that answers; where none does (no nvidia-smi, no
+    driver) `gpu` is None, `problem` says why, and nothing is sampled."""
+
+    def __init__(self, candidates: Sequence[str], interval: float = 0.5):
+        self.interval = interval
+        self.gpu: Optional[str] = None
+        self.query = ""
+        self.problem = "no GPU named"
+        for gpu in candidates:
+            for reasons in CLOCK_REASON_QUERIES:
+                query = ",".join((*GPU_STATE_QUERY, reasons))
+                sample, problem = self._read(gpu, query)
+                if sample is not None:
+                    self.gpu, self.query, self.problem = gpu, query, ""
+                    return
+                self.problem = problem
+
+    @staticmethod
+    def _read(gpu: str, query: str) -> Tuple[Optional[GpuSample], str]:
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", gpu],
+                                  capture_output=True, text=True, timeout=10)
+        except FileNotFoundError:
+            return None, "nvidia-smi not found"
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return None, f"nvidia-smi: {error_summary(error)}"
+        sample = parse_gpu_sample(done.stdout.strip().splitlines()[0]) if done.stdout.strip() else None
+        if done.returncode != 0 or sample is None:
+            return None, f"nvidia-smi -i {gpu} (exit {done.returncode}): " + error_summary(
+                RuntimeError(done.stdout + done.stderr))
+        return sample, ""
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """The list the samples go into until the block ends; None when there is no GPU to sample."""
+        if self.gpu is None:
+            yield None
+            return
+        samples: List[GpuSample] = []
+        stop = threading.Event()
+
+        def read_until_stopped():
+            while True:
+                sample, _ = self._read(self.gpu, self.query)
+                if sample is not None:
+                    samples.append(sample)
+                if stop.wait(self.interval):
+                    return
+
+        thread = threading.Thread(target=read_until_stopped, name="nvidia-smi", daemon=True)
+        thread.start()
+        try:
+            yield samples
+        finally:
+            stop.set()
+            thread.join()
+
+
+def gpu_state(samples: Optional[Sequence[GpuSample]]) -> dict:
+    """A row's GPU fields from the samples of its repeats, the busy ones only
+    (GpuSample.busy): median SM clock and power, highest temperature, every
+    clock event reason seen but gpu_idle ('none' if none), and how many samples
+    that is. {} when the GPU was not sampled (the CPU; no nvidia-smi)."""
+    if samples is None:
+        return {}
+    busy = [sample for sample in samples if sample.busy]
+
+    def known(name):
+        return [getattr(sample, name) for sample in busy if getattr(sample, name) is not None]
+
+    state = {"gpu_samples": len(busy)}
+    if known("sm_clock_mhz"):
+        state["sm_clock_mhz"] = round(statistics.median(known("sm_clock_mhz")))
+    if known("power_w"):
+        state["power_w"] = round(statistics.median(known("power_w")), 1)
+    if known("temperature_c"):
+        state["temperature_c"] = round(max(known("temperature_c")))
+    if known("reasons"):
+        seen = functools.reduce(int.__or__, known("reasons"), 0)
+        state["throttle_reasons"] = " ".join(name for bit, name in CLOCK_EVENT_REASONS
+                                             if seen & bit and bit != GPU_IDLE) or "none"
+    return state
+
+
+def gpus_to_sample(device: str, asked: Optional[str]) -> List[str]:
+    """nvidia-smi's names (-i) for the GPU the runs use, most exact first: its
+    UUID as torch reports it, CUDA_VISIBLE_DEVICES's first entry, index 0.
+    [asked] when --gpu-index names one; [] on the CPU."""
+    if asked is not None:
+        return [asked]
+    if device != "cuda":
+        return []
+    import torch
+
+    candidates = []
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    if uuid is not None:
+        candidates.append(f"GPU-{uuid}" if not str(uuid).startswith(("GPU-", "MIG-")) else str(uuid))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return [*candidates, *([visible] if visible else []), "0"]
+
+
+# --- model FLOPs and MFU ---
+
+# Dense peaks (no 2:4 sparsity) in TFLOP/s, by the precision a row trains in, from NVIDIA's datasheets,
+# whose tensor-core figures are quoted with sparsity (twice these): H100 Tensor Core GPU datasheet
+# (SXM5: TF32 989, BF16/FP16 1,979; PCIe: TF32 756, BF16/FP16 1,513; the dense SXM5 figures 494.7
+# and 989.4 in the "NVIDIA H100 Tensor Core GPU Architecture" whitepaper), H200 datasheet (SXM: the
+# H100 SXM5's), A100 datasheet (TF32 156, BF16/FP16 312, dense), V100 datasheet (no TF32, no bf16:
+# fp32 15.7 SXM2, 14 PCIe, 16.4 V100S; fp16 tensor 125, 112, 130). "fp32" is what an fp32 row runs
+# at: TF32 tensor cores from Ampere on (cuDNN's convolutions use TF32 by default, and the scripts
+# allow it for matrix products: docs/speed.md), the plain fp32 rate on Volta. Matched against the
+# device name in order; H100 NVL and H200 NVL (lower clocks) are left out, not yet confirmed.
+GPU_PEAK_TFLOPS = (
+    (r"H100 PCIe", {"fp16": 756.5, "bf16": 756.5, "fp32": 378.0}),
+    (r"H100 (80GB HBM3|SXM)|H200(?! NVL)", {"fp16": 989.4, "bf16": 989.4, "fp32": 494.7}),
+    (r"A100", {"fp16": 312.0, "bf16": 312.0, "fp32": 156.0}),
+    (r"V100S", {"fp16": 130.0, "fp32": 16.4}),
+    (r"V100.*PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    (r"V100", {"fp16": 125.0, "fp32": 15.7}),
+)
+
+
+def gpu_peak_tflops(device_name: str, precision: str) -> Optional[float]:
+    """The dense peak of GPU_PEAK_TFLOPS for a GPU's name and a row's precision
+    ('fp32', 'O1 bf16', 'O2 fp16', ...); None for a GPU or a type not there."""
+    dtype = precision.split()[-1] if precision and precision.split()[-1] in ("fp16", "bf16") else "fp32"
+    for pattern, peaks in GPU_PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return peaks.get(dtype)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def training_gflop_per_image(arch: str, image_size: int) -> Optional[float]:
+    """GFLOPs of one training image, forward and backward, as
+    torch.utils.flop_counter counts them (convolutions and matrix products,
+    2 per multiply-add; the cheap element-wise work is not counted): on the
+    meta device, where nothing is computed, else on the CPU. ResNet-50 at
+    224 px: 24.3 (its forward pass is the 8.2 usually quoted; the backward
+    pass computes twice as much, less the first layer's unneeded input gradient)."""
+    import torch
+    import torchvision
+    from torch.utils.flop_counter import FlopCounterMode
+
+    images_counted = 2  # BatchNorm wants more than one value per channel in training
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                model = torchvision.models.get_model(arch, num_classes=1000)
+                images = torch.randn(images_counted, 3, image_size, image_size)
+                target = torch.zeros(images_counted, dtype=torch.long)
+            model.train()
+            counter = FlopCounterMode(display=False)
+            with counter:
+                torch.nn.functional.cross_entropy(model(images), target).backward()
+            return counter.get_total_flops() / images_counted / 1e9
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue  # an operation the meta device lacks: count on the CPU
+    return None
+
+
+def mfu_percent(images_per_second: float, gflop_per_image: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: the FLOP/s the model's arithmetic needs at this speed, over the peak."""
+    return 100.0 * images_per_second * gflop_per_image / (peak_tflops * 1000.0)
+
+
+# --- repeats: each configuration N times, round-robin, one row of medians ---
+
+class Planned(NamedTuple):
+    label: str  # how the progress lines name it
+    fields: dict  # what its row says about the configuration (section, config, ...)
+    measure: Optional[Callable[[], dict]]  # one measurement in a fresh process; None: not timed (its note says why)
+
+
+def measure_section(planned: Sequence[Planned], repeats: int, settings: Settings,
+                    save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """Every timed configuration `repeats` times: round after round, each
+    round over all of them in turn (a drift of the machine's speed spreads
+    over all alike, not onto one), then one row each (summarize). A
+    configuration whose process fails is not measured again; its row says
+    why. After each round the rows so far go to `save` (the CSV), so a harness
+    stopped mid-section keeps what it measured, with the repeats it had."""
+    done: List[List[dict]] = [[] for _ in planned]
+    failed: Dict[int, str] = {}
+    for round_ in range(1, repeats + 1):
+        for index, configuration in enumerate(planned):
+            if configuration.measure is None or index in failed:
+                continue
+            section = configuration.fields["section"]
+            try:
+                measured = configuration.measure()
+            except ChildFailed as error:
+                failed[index] = f"failed in repeat {round_}: {error.reason}"
+                print(f"{section} {configuration.label}: {error}", flush=True)
+                continue
+            done[index].append(measured)
+            print(f"{section} {configuration.label}: {measured['images_per_second']:.1f} images/s, "
+                  f"{measured['ms_per_step']:.1f} ms/step (repeat {round_} of {repeats}, process "
+                  f"{measured.get('process', '?')})", flush=True)
+        if save is not None and round_ < repeats:
+            save([finish(configuration.fields, done[index], failed.get(index), settings)
+                  for index, configuration in enumerate(planned)])
+    return [emit(finish(configuration.fields, done[index], failed.get(index), settings))
+            for index, configuration in enumerate(planned)]
+
+
+def summarize(measurements: Sequence[dict]) -> dict:
+    """One row's figures from its repeats: the median images/s and ms/step,
+    the lowest and highest images/s and their spread ((max - min) / median,
+    from two repeats on),
+    the largest peak memory, and the GPU's state over all their samples."""
+    if not measurements:
+        return {}
+    speeds = [measured["images_per_second"] for measured in measurements]
+    median = statistics.median(speeds)
+    summary = {key: value for key, value in measurements[0].items() if key in FIELDS}  # what ran: alike in each
+    summary.update(repeats=len(measurements), images_per_second=median, images_per_second_min=min(speeds),
+                   images_per_second_max=max(speeds),
+                   spread_percent=100.0 * (max(speeds) - min(speeds)) / median if median > 0 and len(speeds) > 1
+                   else "",  # none of one measurement, nor around 0
+                   ms_per_step=statistics.median(measured["ms_per_step"] for measured in measurements),
+                   peak_memory_mib=max(measured["peak_memory_mib"] for measured in measurements))
+    if "images_per_second_per_worker" in summary:
+        summary["images_per_second_per_worker"] = statistics.median(
+            measured["images_per_second_per_worker"] for measured in measurements)
+    sampled = [measured.get("gpu_readings") for measured in measurements]
+    summary.update(gpu_state(None if all(samples is None for samples in sampled) else
+                             [sample for samples in sampled for sample in samples or ()]))
+    return summary
+
+
+ROUNDED = {"images_per_second": 2, "images_per_second_per_worker": 2, "ms_per_step": 2, "peak_memory_mib": 2,
+           "images_per_second_min": 2, "images_per_second_max": 2, "spread_percent": 2, "gflop_per_image": 3,
+           "mfu_percent": 2}
+
+
+def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], settings: Settings) -> dict:
+    """The row of one configuration: what it is, its repeats' summary (none
+    when it failed: the note says where), the machine, and for a training row
+    its FLOPs per image and MFU."""
+    row = record(**{**fields, **({} if failure else summarize(measurements))})
+    if failure:
+        row["note"] = "; ".join(filter(None, (row["note"], failure)))
+    row.update({key: value for key, value in versions().items() if not row.get(key)})
+    if row["section"] != "input" and isinstance(row["images_per_second"], (int, float)):
+        gflop = training_gflop_per_image(row["arch"], int(row["image_size"]))
+        peak = settings.peak_tflops or (gpu_peak_tflops(str(row["device_name"]), row["precision"])
+                                        if settings.device == "cuda" else None)
+        row["gflop_per_image"] = "" if gflop is None else gflop
+        if gflop is not None and peak:
+            row.update(peak_tflops=peak, mfu_percent=mfu_percent(row["images_per_second"], gflop, peak))
+    for key, digits in ROUNDED.items():
+        if isinstance(row[key], float):
+            row[key] = round(row[key], digits)
+    return row
+
+
+def emit(row: dict) -> dict:
+    print(json.dumps(row), flush=True)
+    return row
 
 
 # --- the sections ---
 
-def train_section(settings: Settings, logdir: Path, with_compile: bool,
-                  only: Optional[Sequence[str]] = None) -> List[dict]:
+def train_section(settings: Settings, logdir: Path, with_compile: bool, only: Optional[Sequence[str]] = None,
+                  save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
     """The reference loop, then each script configuration: those named in
     `only` when given (compiled ones included), else all, the compiled ones
     `with_compile`."""
-    rows = []
     common = dict(section="train", arch=settings.arch, batch_size=settings.batch_size,
                   image_size=settings.image_size, workers=0, data_backend="synthetic")
-    measured = run_child({"kind": "reference-train", "arch": settings.arch, "batch_size": settings.batch_size,
-                          "image_size": settings.image_size, "device": settings.device,
-                          "warmup_steps": settings.warmup_steps, "steps": settings.steps})
-    rows.append(emit(record(config="reference", command="common.tools.bench.reference_train_loop", precision="fp32",
-                            memory_format="contiguous", compile=False, measured_steps=settings.steps,
-                            warmup_steps=settings.warmup_steps, **common, **measured)))
+    reference = {"kind": "reference-train", "arch": settings.arch, "batch_size": settings.batch_size,
+                 "image_size": settings.image_size, "device": settings.device,
+                 "warmup_steps": settings.warmup_steps, "steps": settings.steps}
+    planned = [Planned("reference", dict(common, config="reference", command="common.tools.bench.reference_train_loop",
+                                         precision="fp32", memory_format="contiguous", compile=False,
+                                         measured_steps=settings.steps, warmup_steps=settings.warmup_steps),
+                       functools.partial(run_child, reference, settings.gpu))]
     for name, script, flags in TRAIN_CONFIGS + COMPILE_CONFIGS:
         if script == "imagenet_dp.py" and settings.device == "cpu":
             continue  # DataParallel without GPUs is the plain model: the nd row
         if not (name in only if only is not None else with_compile or "--compile" not in flags):
             continue
+        fields = dict(common, config=name, compile="--compile" in flags)
         emulated = emulated_half(flags, settings.device)
         if emulated and not settings.measure_emulated:
-            rows.append(emit(record(config=name, compile="--compile" in flags, precision=_asked_precision(flags,
-                                    settings.device), note=f"{emulated}: skipped (--measure-emulated times it)",
-                                    **common)))
-            continue
-        measured = run_script(script, flags, settings, logdir)
-        rows.append(emit(record(config=name, compile="--compile" in flags, note=emulated or "", **common,
-                                **measured)))
-    return rows
+            planned.append(Planned(name, dict(fields, precision=_asked_precision(flags, settings.device),
+                                              note=f"{emulated}: skipped (--measure-emulated times it)"), None))
+        else:
+            planned.append(Planned(name, dict(fields, note=emulated),
+                                   functools.partial(run_script, script, flags, settings, logdir)))
+    return measure_section(planned, settings.repeats, settings, save)
 
 
 def _asked_precision(flags: Sequence[str], device: str) -> str:
@@ -387,67 +746,85 @@ def _half_support(device: str):
     return hardware.half_support(torch.device("cuda", 0) if device == "cuda" else torch.device("cpu"))
 
 
-def input_section(settings: Settings, root: str) -> List[dict]:
-    """Every (backend, workers) configuration once per round, the rounds one
-    after the other, and each configuration's best round: a measurement of a
-    second or two is easily slowed by what else the machine does, never sped
-    up, and alternating spreads any drift over all configurations alike."""
+def input_section(settings: Settings, root: str, save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """Every (backend, workers) configuration, settings.input_repeats times
+    round-robin: a measurement of a second or two is easily slowed by what
+    else the machine does, and alternating spreads any drift over all
+    configurations alike."""
     warm_page_cache(root, (settings.input_batches + 1) * settings.batch_size, settings.batch_size)
-    configurations = [(backend, workers) for backend in INPUT_BACKENDS for workers in settings.workers
-                      if not (backend == "gpu" and settings.device == "cpu")]
-    best: Dict[tuple, dict] = {}
-    for round_ in range(settings.input_rounds):
-        for backend, workers in configurations:
-            measured = run_child({"kind": "input", "backend": backend, "root": root, "workers": workers,
-                                  "image_size": settings.image_size, "batch_size": settings.batch_size,
-                                  "batches": settings.input_batches, "device": settings.device})
-            if (backend, workers) not in best or measured["images_per_second"] > best[backend, workers][
-                    "images_per_second"]:
-                best[backend, workers] = measured
-            print(f"input {backend} -j {workers}: {measured['images_per_second']:.1f} images/s (round {round_ + 1} "
-                  f"of {settings.input_rounds})", flush=True)
-    rows = []
-    for backend, workers in configurations:
-        command = ("common.tools.bench.reference_input" if backend == "reference" else
-                   f"--data-backend {backend} -j {workers}")
-        rows.append(emit(record(section="input", config=backend, command=command, data_backend=backend,
-                                workers=workers, batch_size=settings.batch_size, image_size=settings.image_size,
-                                measured_steps=settings.input_batches, warmup_steps=1, **best[backend, workers])))
-    return rows
+    planned = []
+    for backend in INPUT_BACKENDS:
+        for workers in settings.workers:
+            if backend == "gpu" and settings.device == "cpu":
+                continue
+            if backend == "dali" and ("dali" not in settings.backends or backend_missing(backend)):
+                continue
+            spec = {"kind": "input", "backend": backend, "root": root, "workers": workers,
+                    "image_size": settings.image_size, "batch_size": settings.batch_size,
+                    "batches": settings.input_batches, "device": settings.device}
+            command = ("common.tools.bench.reference_input" if backend == "reference" else
+                       f"--data-backend {backend} -j {workers}")
+            planned.append(Planned(f"{backend} -j {workers}", dict(
+                section="input", config=backend, command=command, data_backend=backend, workers=workers,
+                batch_size=settings.batch_size, image_size=settings.image_size, measured_steps=settings.input_batches,
+                warmup_steps=1), functools.partial(run_child, spec, settings.gpu)))
+    return measure_section(planned, settings.input_repeats, settings, save)
 
 
-def end_to_end_section(settings: Settings, logdir: Path, root: str) -> List[dict]:
-    """The fastest configuration of the train section on real files: fp32
-    imagenet_nd.py on the CPU, AMP + channels-last on a GPU."""
+def end_to_end_section(settings: Settings, logdir: Path, root: str,
+                       save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """The fastest configuration of the train section (fp32 imagenet_nd.py on
+    the CPU, AMP + channels-last on a GPU) training on the JPEGs of `root`
+    with each data backend of settings.backends, and on synthetic data, all in
+    the same rounds: real over synthetic says how input-bound each backend
+    leaves training. A backend that cannot run here gets a row saying why."""
     workers = max(settings.workers)
     name = END_TO_END_CONFIG[settings.device == "cuda"]
     _, script, flags = next(config for config in TRAIN_CONFIGS if config[0] == name)
-    measured = run_script(script, flags, settings, logdir, data=root, workers=workers)
-    row = record(section="end-to-end", config=name, arch=settings.arch, batch_size=settings.batch_size,
-                 image_size=settings.image_size, workers=workers, data_backend="torchvision", compile=False,
-                 **measured)
-    return [emit(row)]
+    # The first W + N batches of the epoch the scripts draw (seed 0): the files they will read, once each.
+    warm_page_cache(root, (settings.warmup_steps + settings.steps) * settings.batch_size, settings.batch_size)
+    common = dict(section="end-to-end", config=name, arch=settings.arch, batch_size=settings.batch_size,
+                  image_size=settings.image_size, compile=False)
+    planned = [Planned("synthetic", dict(common, data_backend="synthetic", workers=0),
+                       functools.partial(run_script, script, flags, settings, logdir))]
+    for backend in settings.backends:
+        missing = backend_missing(backend)
+        planned.append(Planned(f"--data-backend {backend}", dict(common, data_backend=backend, workers=workers,
+                                                                  note=missing),
+                               None if missing else functools.partial(
+                                   run_script, script, [*flags, "--data-backend", backend], settings, logdir,
+                                   data=root, workers=workers)))
+    return measure_section(planned, settings.repeats, settings, save)
 
 
-def emit(row: dict) -> dict:
-    row.update({key: value for key, value in versions().items() if not row.get(key)})
-    for key in ("images_per_second", "images_per_second_per_worker", "ms_per_step", "peak_memory_mib"):
-        if isinstance(row[key], float):
-            row[key] = round(row[key], 2)
-    print(json.dumps(row), flush=True)
-    return row
+def backend_missing(backend: str) -> str:
+    """Why a data backend cannot run here ('' when it can): DALI is an optional package."""
+    if backend != "dali":
+        return ""
+    try:
+        import nvidia.dali  # noqa: F401  (imported only to see that it imports)
+    except (ImportError, OSError) as error:  # not installed, or broken (a CUDA library it cannot load, ...)
+        if isinstance(error, ModuleNotFoundError) and error.name in ("nvidia", "nvidia.dali"):
+            return DALI_MISSING
+        return f"nvidia.dali cannot be imported: {error_summary(error)}"
+    return ""
 
 
 def ratios(rows: List[dict]) -> List[str]:
     """The comparisons the README's targets are stated in, one line each."""
-    def value(section, config, column="images_per_second"):
-        matches = [row for row in rows if row["section"] == section and row["config"] == config
-                   and row[column if section != "input" else "images_per_second_per_worker"] not in ("", None)]
-        if not matches:
-            return None
+    def find(section, config, backend=None):
+        """The last row of a configuration (with that data backend) that has a figure."""
+        return next((row for row in reversed(rows) if row["section"] == section and row["config"] == config
+                     and backend in (None, row.get("data_backend")) and as_number(row["images_per_second"]) is not None),
+                    None)
+
+    def value(section, config):
         if section == "input":  # each pipeline's best per-worker figure over the worker counts tried
-            return max(float(row["images_per_second_per_worker"]) for row in matches)
-        return float(matches[-1][column])
+            return max((as_number(row["images_per_second_per_worker"]) for row in rows if row["section"] == "input"
+                        and row["config"] == config and as_number(row["images_per_second_per_worker"]) is not None),
+                       default=None)
+        row = find(section, config)
+        return None if row is None else float(row["images_per_second"])
 
     def skipped(section, config):
         return next((row["note"] for row in rows if row["section"] == section and row["config"] == config
@@ -455,17 +832,17 @@ def ratios(rows: List[dict]) -> List[str]:
 
     lines = []
     on_gpu = any(row.get("cuda") for row in rows)
-    for name, numerator, denominator, section, target in GPU_TARGETS if on_gpu else CPU_TARGETS:
-        top = value(section, numerator)
-        bottom = value(section, denominator) if denominator else 1.0
+    for name, numerator, denominator, section, target in () if on_gpu else CPU_TARGETS:
+        top, bottom = value(section, numerator), value(section, denominator)
         if top is None and skipped(section, numerator):
             lines.append(f"{name}: not measured ({skipped(section, numerator)}); not a speed-up on this machine")
-        if top is None or bottom is None:
-            continue
-        ratio = top / bottom
-        unit, where = ("x", "the 2-core CPU") if denominator else (" images/s", "the GPU")
-        lines.append(f"{name}: {ratio:.2f}{unit} (target >= {target:g}{unit} on {where}: "
-                     f"{'met' if ratio >= target else 'NOT met'})")
+        if top is not None and bottom is not None:
+            lines.append(f"{name}: {top / bottom:.2f}x (target >= {target:g}x on the 2-core CPU: "
+                         f"{_met(top / bottom >= target)})")
+    for what, config in GPU_SYNTHETIC if on_gpu else ():
+        row = find("train", config)
+        if row is not None:
+            lines += _gpu_synthetic_lines(what, row)
     reference = value("train", "reference")
     for row in rows:  # configurations timed in a half type this device emulates (--measure-emulated)
         if row["section"] == "train" and "emulated" in (row.get("note") or "") and \
@@ -478,18 +855,66 @@ def ratios(rows: List[dict]) -> List[str]:
         lines.append(f"train: imagenet_nd.py in the reference's NCHW layout over the reference loop: "
                      f"{same_layout / reference:.2f}x (the training loop's own cost; 1.00 = none)")
     config = END_TO_END_CONFIG[on_gpu]
-    real, synthetic = value("end-to-end", config), value("train", config)
+    synthetic = value("train", config)
     for backend in ("torchvision", "gpu") if on_gpu and synthetic else ():
         fastest = max((float(row["images_per_second"]) for row in rows
                        if row["section"] == "input" and row["config"] == backend), default=None)
         if fastest is not None:
             lines.append(f"input alone: the {backend} backend's best images/s over {config}'s synthetic training: "
                          f"{fastest / synthetic:.2f} (what it could feed; the end-to-end row measures both at once)")
-    if real is not None and synthetic is not None:
-        target = " (target >= 0.90 on the GPU: " + ("met)" if real / synthetic >= 0.9 else "NOT met)") if on_gpu else ""
-        lines.append(f"end-to-end: real JPEGs over synthetic data, {config}: {real / synthetic:.2f} "
-                     f"(1.00 = not input-bound){target}")
+    for row in rows:
+        if row["section"] == "end-to-end" and row.get("data_backend") != "synthetic":
+            lines += _end_to_end_lines(row, find("end-to-end", row["config"], "synthetic") or
+                                       find("train", row["config"]), on_gpu)  # CSVs before issue 19: the train row
     return lines
+
+
+def _gpu_synthetic_lines(what: str, row: dict) -> List[str]:
+    """The GPU targets of a synthetic configuration: its median images/s, and the spread of its repeats."""
+    speed, repeats, spread = float(row["images_per_second"]), _repeats(row), as_number(row.get("spread_percent"))
+    mfu = as_number(row.get("mfu_percent"))
+    measured = (f"median of {repeats}" if repeats > 1 else "one run") + (f", MFU {mfu:.1f}%" if mfu is not None else "")
+    lines = [f"train: {what}, images/s on synthetic data (one H100): {speed:.0f} ({measured}; target >= "
+             f"{GPU_IMAGES_PER_SECOND:g}, aim {GPU_AIM:g}: {_met(speed >= GPU_IMAGES_PER_SECOND)}"
+             f"{', aim reached' if speed >= GPU_AIM else ''})"]
+    if repeats > 1 and spread is not None:
+        lines.append(f"train: {what}, spread of its {repeats} repeats: {spread:.1f}% (target <= "
+                     f"{GPU_SPREAD_PERCENT:g}%: {_met(spread <= GPU_SPREAD_PERCENT)})")
+    else:
+        lines.append(f"train: {what}, spread: not measured (one run; the target is for repeats)")
+    return lines
+
+
+def _end_to_end_lines(row: dict, synthetic: Optional[dict], on_gpu: bool) -> List[str]:
+    """An end-to-end row over its configuration's synthetic figure; or why it has no figure."""
+    backend, real = row.get("data_backend"), as_number(row["images_per_second"])
+    if real is None:
+        return [f"end-to-end: {row['config']} with --data-backend {backend}: not measured ({row['note']})"] \
+            if row.get("note") else []
+    if synthetic is None:
+        return []
+    ratio = real / float(synthetic["images_per_second"])
+    target = END_TO_END_TARGETS.get(backend) if on_gpu else None
+    said = f" (target >= {target:.2f} on the GPU: {_met(ratio >= target)})" if target else ""
+    return [f"end-to-end: real JPEGs with --data-backend {backend} over synthetic data, {row['config']}: "
+            f"{ratio:.2f} (1.00 = not input-bound){said}"]
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def as_number(value) -> Optional[float]:
+    """A CSV or JSON cell as a number; None for an empty one."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _repeats(row: dict) -> int:
+    """How many measurements a row's figures are the median of (CSVs before issue 19: one)."""
+    return int(as_number(row.get("repeats")) or 1)
 
 
 def write_csv(rows: List[dict], path: Path) -> None:
@@ -500,6 +925,19 @@ def write_csv(rows: List[dict], path: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(temporary, path)
+
+
+FAKE_CLASSES = 8
+
+
+def fake_imagenet_per_class(settings: Settings) -> int:
+    """Training images per class of the generated tree: more than one epoch
+    of every measurement takes (the input section's warm-up batch and
+    --input-batches; the end-to-end runs' W + N steps, which so read no file
+    twice), with a batch to spare, the sampler dropping an epoch's incomplete
+    last batch. On a GPU: 51 batches of 256, 13,056 files for 12,800 read."""
+    batches = max(settings.input_batches + 2, settings.warmup_steps + settings.steps + 1)
+    return max(64, -(-settings.batch_size * batches // FAKE_CLASSES))
 
 
 def fake_imagenet(folder: Path, classes: int, per_class: int) -> str:
@@ -521,13 +959,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", type=positive_int, default=224)
     parser.add_argument("--warmup-steps", type=non_negative_int, default=None, help="default: 3 CPU, 10 GPU")
     parser.add_argument("--steps", type=positive_int, default=None, help="measured steps; default: 8 CPU, 40 GPU")
+    parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
+                        help="measurements of each configuration, each in a fresh process, round-robin over the "
+                             "section's configurations; a row reports their median and spread (default: 3 on a GPU; "
+                             "on the CPU 3 in the input section and 1 in the train and end-to-end sections, which "
+                             "keeps `make bench` near 6 minutes on 2 cores)")
     parser.add_argument("--workers", type=non_negative_int, nargs="+", default=None,
                         help="data-loading worker counts of the input section (default: 1 2 on the CPU, "
-                             "4 8 12 on a GPU machine)")
+                             "4 8 12 on a GPU machine); the end-to-end section uses the largest")
     parser.add_argument("--input-batches", type=positive_int, default=None, help="default: 10 CPU, 40 GPU")
-    parser.add_argument("--input-rounds", type=positive_int, default=None,
-                        help="times each input configuration is measured, alternating; its best counts "
-                             "(default: 3 CPU, 1 GPU)")
+    parser.add_argument("--input-rounds", type=positive_int, default=None, help=argparse.SUPPRESS)  # replaced
+    parser.add_argument("--backends", nargs="+", choices=END_TO_END_BACKENDS, default=None,
+                        help="--data-backend of each end-to-end row, dali also in the input section (default: "
+                             "torchvision gpu dali on a GPU; torchvision on the CPU, where dali runs but slowly)")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="a JPEG tree (DATA/train/<class>/...) for the input and end-to-end sections; default: "
                              "ImageNet-shaped JPEGs generated once into --data-cache")
@@ -542,6 +986,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "say so and are skipped")
     parser.add_argument("--compile", action="store_true", help="also time --compile configurations (the "
                                                                 "compilation itself is in the warm-up steps)")
+    parser.add_argument("--peak-tflops", type=positive_float, default=None, metavar="TFLOPS",
+                        help="the device's peak, for every training row's MFU (default: NVIDIA's dense figure for "
+                             "the GPU's name and the row's precision, GPU_PEAK_TFLOPS; none on the CPU)")
+    parser.add_argument("--gpu-index", default=None, metavar="ID",
+                        help="the GPU (nvidia-smi -i: index or UUID) whose SM clock, power and temperature are "
+                             "recorded beside each row (default: the GPU the runs use, with --device cuda; none on "
+                             "the CPU)")
     parser.add_argument("--csv", default=None, metavar="PATH",
                         help="default: runs/bench/<date>_<time>_<host>_<cpu|gpu>.csv (a new file each run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -554,6 +1005,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.child:
         Path(args.child_out).write_text(json.dumps(child(json.loads(args.child))))
         return
+    if args.input_rounds is not None:
+        raise UsageError("argument --input-rounds: replaced by --repeats N (every section: the median of N fresh "
+                         "processes, where --input-rounds took the input section's best)")
 
     import torch
 
@@ -561,13 +1015,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("argument --device: cuda was asked for but no CUDA GPU is visible")
     gpu = device == "cuda"
+    if not gpu and "gpu" in (args.backends or ()):
+        raise UsageError("argument --backends: gpu decodes on a GPU; it needs --device cuda")
+    monitor, candidates = None, gpus_to_sample(device, args.gpu_index)
+    if candidates:
+        monitor = GpuMonitor(candidates)
+        if monitor.gpu is None:
+            print(f"GPU state: {monitor.problem}; SM clock, power and temperature are not recorded", flush=True)
+            monitor = None
     settings = Settings(
         device=device, arch=args.arch or ("resnet50" if gpu else "resnet18"),
         batch_size=args.batch_size or (256 if gpu else 32), image_size=args.image_size,
         warmup_steps=args.warmup_steps if args.warmup_steps is not None else (10 if gpu else 3),
         steps=args.steps or (40 if gpu else 8), workers=args.workers or ([4, 8, 12] if gpu else [1, 2]),
         data=args.data, input_batches=args.input_batches or (40 if gpu else 10),
-        input_rounds=args.input_rounds or (1 if gpu else 3), measure_emulated=args.measure_emulated)
+        repeats=args.repeats or (3 if gpu else 1), input_repeats=args.repeats or 3,
+        backends=args.backends or (END_TO_END_BACKENDS if gpu else ("torchvision",)),
+        measure_emulated=args.measure_emulated, peak_tflops=args.peak_tflops, gpu=monitor)
     if args.data is not None and not Path(args.data, "train").is_dir():
         raise UsageError(f"argument --data: {args.data} has no train/ folder")
     stamp = time.strftime("%Y%m%d_%H%M%S")
@@ -578,24 +1042,38 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"benchmark on {machine['device_name']} ({machine['capability']}: bf16 "
           f"{'native' if machine['bf16_native'] else 'emulated'}, fp16 "
           f"{'native' if machine['fp16_native'] else 'emulated'}): {settings.arch}, batch {settings.batch_size}, "
-          f"{settings.warmup_steps} warm-up + {settings.steps} measured steps per configuration", flush=True)
+          f"{settings.warmup_steps} warm-up + {settings.steps} measured steps per configuration; "
+          f"{_processes(settings.repeats)}" + (f" (input section: {_processes(settings.input_repeats)})"
+                                                if settings.input_repeats != settings.repeats else "")
+          + (f"; GPU state from nvidia-smi -i {monitor.gpu}" if monitor else ""), flush=True)
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as logdir:
         root = None
         if {"input", "end-to-end"} & set(args.sections):
-            batches = max(settings.input_batches + 2, settings.warmup_steps + settings.steps + 1)
-            root = args.data or fake_imagenet(Path(args.data_cache), classes=8,
-                                              per_class=max(64, -(-settings.batch_size * batches // 8)))
-        sections = {"train": lambda: train_section(settings, Path(logdir), args.compile, args.configs),
-                    "input": lambda: input_section(settings, root),
-                    "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root)}
+            root = args.data or fake_imagenet(Path(args.data_cache), FAKE_CLASSES, fake_imagenet_per_class(settings))
+
+        def save(section_rows: List[dict]) -> None:  # what was measured survives a later failure or a time limit
+            write_csv(rows + section_rows, csv_path)
+
+        sections = {"train": lambda: train_section(settings, Path(logdir), args.compile, args.configs, save),
+                    "input": lambda: input_section(settings, root, save),
+                    "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save)}
         for section in ("train", "input", "end-to-end"):
             if section in args.sections:
                 rows += sections[section]()
-                write_csv(rows, csv_path)  # after each section: what was measured survives a later failure
+                write_csv(rows, csv_path)
     print(f"\n{len(rows)} configurations written to {csv_path}", flush=True)
     for line in ratios(rows):
         print(line, flush=True)
+    failed = [row["config"] + (f" ({row['data_backend']})" if row["section"] == "end-to-end" else "")
+              for row in rows if "failed in repeat" in str(row["note"])]
+    if failed:
+        print(f"{len(failed)} configuration(s) failed, their rows say how: {', '.join(failed)}", flush=True)
+        sys.exit(FAILED_EXIT_STATUS)
+
+
+def _processes(repeats: int) -> str:
+    return "one fresh process each" if repeats == 1 else f"the median of {repeats} fresh processes each"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from typing import List, Optional, Sequence
 
 from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main
-from common.tools import plots
+from common.tools import bench, plots
+from common.tools.bench import as_number
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
@@ -182,38 +183,92 @@ def load_runs(path: str) -> List[plots.Run]:
 
 def bench_section(paths: Sequence[str]) -> str:
     """One table per benchmark CSV (python -m common.tools.bench), with the
-    machine and versions it ran on and the ratios of its targets."""
+    machine and versions it ran on and the ratios of its targets. The columns
+    that the harness has written since issue 19 (repeats and spread, MFU, the
+    GPU's clock, power and temperature) are shown for the CSVs that have them."""
     import pandas
 
-    from common.tools import bench
-
-    parts = ["## Benchmarks", "",
-             "Measured by `python -m common.tools.bench` (`make bench`): every configuration in a fresh process, warm-up "
-             "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
-             "are side by side. The reference rows are the plain PyTorch loop and input pipeline "
-             "(common/tools/bench.py). No GPU figure appears unless a GPU table is below: none is estimated."]
+    tables = []
     for path in paths:
         try:
             rows = pandas.read_csv(path, keep_default_na=False).to_dict("records")
         except (OSError, ValueError) as error:
             raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
-        if not rows:
-            continue
+        if rows:
+            tables.append((path, rows))
+    parts = ["## Benchmarks", "",
+             "Measured by `python -m common.tools.bench` (`make bench`): every configuration in a fresh process, warm-up "
+             "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
+             "are side by side. The reference rows are the plain PyTorch loop and input pipeline "
+             "(common/tools/bench.py). No GPU figure appears unless a GPU table is below: none is estimated."
+             + (" Where a table has a spread column, each configuration was measured that many times (repeats, "
+                "each in a fresh process, round-robin over the configurations): images/s and ms/step are the "
+                "medians, the spread is (max - min) / median of its images/s."
+                if any(_present(rows, "repeats") for _, rows in tables) else "")]
+    for path, rows in tables:
         first = rows[0]
+        columns = _bench_columns(rows)
         parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
                   f"host `{first['host']}`; {_half_support(first)}.", "",
-                  table(["section", "configuration", "precision", "memory format", "data", "workers", "images/s",
-                         "images/s per worker", "ms/step", "peak memory (MiB)"],
-                        [[row["section"], row["config"], row["precision"] or "—", row["memory_format"] or "—",
-                          row["data_backend"], row["workers"],
-                          number(_float(row["images_per_second"]), 1) + _note(row),
-                          number(_float(row["images_per_second_per_worker"]), 1),
-                          number(_float(row["ms_per_step"]), 1), number(_float(row["peak_memory_mib"]), 0)]
-                         for row in rows]), ""]
-        parts += [f"- {line}" for line in bench.ratios(rows)]
+                  table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in rows]), ""]
+        parts += [f"- {line}" for line in _bench_notes(rows) + bench.ratios(rows)]
     return "\n".join(parts)
+
+
+def _bench_columns(rows: List[dict]) -> list:
+    """(header, cell of a row) of a benchmark table: those of every CSV, and
+    the newer ones where the CSV has them."""
+    columns = [("section", lambda row: row["section"]), ("configuration", lambda row: row["config"]),
+               ("precision", lambda row: row["precision"] or "—"),
+               ("memory format", lambda row: row["memory_format"] or "—"), ("data", lambda row: row["data_backend"]),
+               ("workers", lambda row: row["workers"]),
+               ("images/s", lambda row: number(as_number(row["images_per_second"]), 1) + _note(row))]
+    if _present(rows, "repeats"):
+        columns.append(("spread (repeats)", lambda row: (
+            f"{number(as_number(row.get('spread_percent')), 1)}%" if as_number(row.get("spread_percent")) is not None
+            else "—") + (f" ({row['repeats']})" if row.get("repeats") != "" else "")))
+    columns += [("images/s per worker", lambda row: number(as_number(row["images_per_second_per_worker"]), 1)),
+                ("ms/step", lambda row: number(as_number(row["ms_per_step"]), 1))]
+    if _present(rows, "mfu_percent"):
+        columns.append(("MFU", lambda row: f"{number(as_number(row['mfu_percent']), 1)}%"
+                        if as_number(row.get("mfu_percent")) is not None else "—"))
+    columns.append(("peak memory (MiB)", lambda row: number(as_number(row["peak_memory_mib"]), 0)))
+    if _present(rows, "sm_clock_mhz"):
+        columns += [("SM clock (MHz)", lambda row: number(as_number(row.get("sm_clock_mhz")), 0)),
+                    ("power (W)", lambda row: number(as_number(row.get("power_w")), 0)),
+                    ("max temp. (°C)", lambda row: number(as_number(row.get("temperature_c")), 0)),
+                    ("throttle reasons", lambda row: row.get("throttle_reasons") or "—")]
+    return columns
+
+
+def _bench_notes(rows: List[dict]) -> List[str]:
+    """What the MFU and GPU-state columns of a table are, with the FLOPs and peaks its rows used."""
+    notes = []
+    measured = [row for row in rows if as_number(row.get("mfu_percent")) is not None]
+    if measured:
+        counted = sorted({(row["arch"], row["image_size"], as_number(row["gflop_per_image"])) for row in measured})
+        peaks = sorted({(row["precision"], as_number(row["peak_tflops"])) for row in measured})
+        from_datasheets = all(bench.gpu_peak_tflops(str(row["device_name"]), row["precision"]) ==
+                              as_number(row["peak_tflops"]) for row in measured)
+        notes.append("MFU: the model's FLOP/s at the row's median images/s over the device's peak for the row's "
+                     "precision; " + ", ".join(f"{gflop:.3g} GFLOP per training image of {arch} at {size} px"
+                                               for arch, size, gflop in counted)
+                     + " (forward and backward, as torch.utils.flop_counter counts them); peak "
+                     + ", ".join(f"{peak:g} TFLOP/s for {precision}" for precision, peak in peaks)
+                     + (" (NVIDIA's datasheets, dense, TF32 for fp32 rows from Ampere on: common/tools/bench.py "
+                        "GPU_PEAK_TFLOPS)" if from_datasheets else " (given to the harness with --peak-tflops)"))
+    if _present(rows, "sm_clock_mhz"):
+        notes.append("GPU state: nvidia-smi read every 0.5 s while the row's processes ran, the samples with a "
+                     "kernel running (utilization above 0) counted: median SM clock and power, highest "
+                     "temperature, and every clock event (throttle) reason seen but gpu_idle")
+    return notes
+
+
+def _present(rows: List[dict], column: str) -> bool:
+    """Whether any row of a CSV has a value in `column` (older CSVs lack it)."""
+    return any(row.get(column, "") != "" for row in rows)
 
 
 def _half_support(row: dict) -> str:
@@ -230,13 +285,6 @@ def _half_support(row: dict) -> str:
 
 def _note(row: dict) -> str:
     return f" ({row['note']})" if row.get("note") else ""
-
-
-def _float(value) -> Optional[float]:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def build_parser() -> argparse.ArgumentParser:
