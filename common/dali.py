@@ -42,6 +42,10 @@ from common.errors import UsageError, error_summary
 from common.pipelines import EncodedBatch, Geometry, GPUDecodeFallback, stack_images
 
 DALI_REQUIREMENTS = "requirements-dali.txt"
+DALI_TESTED = "2.4"  # the oldest DALI this backend was run with (requirements-dali.txt)
+# Batches DALI may refuse in a row (each decoded on the CPU instead) before the run stops: more than a
+# stray damaged file, DALI's decoder itself failing here.
+MAX_REFUSED_IN_A_ROW = 3
 
 
 def dali_package() -> str:
@@ -56,13 +60,21 @@ def import_dali():
     """nvidia.dali, or a UsageError saying what to install."""
     try:
         return importlib.import_module("nvidia.dali")
-    except ModuleNotFoundError:
-        reason = "not installed"
+    except ModuleNotFoundError as error:
+        # DALI itself missing; a dependency of it that is missing means a broken install instead.
+        reason = "not installed" if error.name in ("nvidia", "nvidia.dali") else \
+            f"it does not import: {error_summary(error, limit=160)}"
     except Exception as error:  # a broken or mismatched wheel fails in many ways
         reason = f"it does not import: {error_summary(error, limit=160)}"
     cuda = f" for this PyTorch's CUDA {torch.version.cuda}" if torch.version.cuda else ""
-    raise UsageError(f"argument --data-backend: dali needs NVIDIA DALI ({reason}): pip install {dali_package()}"
-                     f"{cuda} (pip install -r {DALI_REQUIREMENTS} for CUDA 13)")
+    raise UsageError(f"argument --data-backend: dali needs NVIDIA DALI ({reason}): pip install "
+                     f"'{dali_package()}>={DALI_TESTED}'{cuda} (pip install -r {DALI_REQUIREMENTS} for CUDA 13)")
+
+
+class DaliFailing(UsageError):
+    """DALI's decoder refuses batch after batch on this process: not a file's fault."""
+
+    rank_specific = True  # met by the process whose batches it is
 
 
 def windows(geometry: Geometry, width: int, height: int) -> Tuple[List[float], List[float]]:
@@ -100,8 +112,9 @@ class DaliDecoder:
         self.max_batch = max_batch
         self.threads = max(1, threads)
         self.on_gpu = device.type == "cuda"
-        self._pipeline = None
+        self.refused_in_a_row = 0
         self._warned = False
+        self._pipeline = self._built()  # now: a DALI that cannot build it here says so before any data is read
 
     @property
     def version(self) -> str:
@@ -117,18 +130,29 @@ class DaliDecoder:
     def to_dict(self) -> dict:
         return {"version": self.version, "device": "mixed" if self.on_gpu else "cpu", "threads": self.threads}
 
+    def _built(self):
+        try:
+            return self._build()
+        except Exception as error:  # an older DALI's API, no usable GPU for it, ...
+            raise UsageError(f"argument --data-backend: NVIDIA DALI {self.version} cannot build its decoding pipeline "
+                             f"on {self.device} ({error_summary(error, limit=200)}); this backend was tested with "
+                             f"DALI {DALI_TESTED} (pip install -U '{dali_package()}>={DALI_TESTED}'), or use "
+                             f"--data-backend torchvision") from None
+
     def _build(self):
         fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if self.on_gpu else None
         # Fed and run one batch at a time (DeviceInput prepares the next batch during the current step).
+        # The dynamic executor (DALI's default since 2.0) hands outputs over on the caller's CUDA stream.
         pipeline = self.dali.Pipeline(batch_size=self.max_batch, num_threads=self.threads, device_id=device_id,
-                                      prefetch_queue_depth=1)
+                                      prefetch_queue_depth=1, exec_dynamic=True)
         decode_options = dict(device="mixed" if self.on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
                               normalized_anchor=False, normalized_shape=False)
         if self.on_gpu:  # the CPU decoder's chroma upsampling, so the GPU's pixels are libjpeg's (Pillow's)
             decode_options["jpeg_fancy_upsampling"] = True
-        if "adjust_orientation" in (fn.decoders.image_slice.__doc__ or ""):
+        if importlib.import_module("nvidia.dali.backend").GetSchema("decoders__ImageSlice").HasArgument(
+                "adjust_orientation"):
             decode_options["adjust_orientation"] = False  # stored pixels, as Pillow and the reference read them
         with pipeline:
             files = fn.external_source(name="files", dtype=types.UINT8, ndim=1)
@@ -145,19 +169,26 @@ class DaliDecoder:
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         """The batch's JPEGs (those it holds as files), cropped, resized and
         flipped, as N x 3 x S x S uint8 on the device, channels-last in memory."""
+        if self._pipeline is None:
+            self._pipeline = self._built()
         try:
-            return self._run(batch)
+            images = self._run(batch)
         except Exception as error:  # DALI's error for a file it cannot decode; its pipeline is unusable now
             self._pipeline = None
+            self.refused_in_a_row += 1
+            if self.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+                raise DaliFailing(f"argument --data-backend: DALI refused {self.refused_in_a_row} batches in a row "
+                                  f"(the last: {error_summary(error, limit=200)}): its decoder does not work here; "
+                                  f"use --data-backend torchvision") from None
             if not self._warned:
                 self._warned = True
                 warnings.warn(f"DALI refused a batch ({error_summary(error, limit=200)}); such batches are decoded "
                               f"on the CPU in the training process (slower)", GPUDecodeFallback, stacklevel=2)
             return stack_images(batch.decode_jpegs(torch.device("cpu"))).to(self.device)
+        self.refused_in_a_row = 0
+        return images
 
     def _run(self, batch: EncodedBatch) -> torch.Tensor:
-        if self._pipeline is None:
-            self._pipeline = self._build()
         data = batch.data.numpy()
         ends = np.cumsum(batch.lengths)
         boxes, regions = zip(*(windows(geometry, *size) for geometry, size in zip(batch.geometries, batch.sizes)))

@@ -303,53 +303,56 @@ class Trainer:
         batches = iter(self._input(loaders.train, loaders.dali))
         profiler = self._profiler(epoch, step_numbers.start)
         lr = None
-        for step in step_numbers:
-            with record_function("step:stop control"):
-                decision = self.control.step(epoch * steps + step)
-            if decision.checkpoint or decision.stop:
-                self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
-                with timer.paused():
-                    partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
-                    path, failure = _saved_or_why(lambda: self.checkpointer.save_mid_epoch(
-                        epoch, step, images_done + (step - step_numbers.start) * loaders.global_batch,
-                        partial.to_dict(), steps, stopping=decision.stop, log=self.log))
-                if decision.stop:
-                    raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
-            with record_function("step:data"):
-                batch = next(batches)
-            timer.batch_ready()
-            images, target = batch.image, batch.target
-            with record_function("step:seed, lr, guard"):
-                # Dropout (and any other randomness in the model) draws from a seed of this step: the same
-                # in a run resumed here as in one that never stopped.
-                seed_generators(derived_seed(loaders.seed, epoch, step, self.ctx.rank), self.ctx.devices)
-                lr = self.schedule.lr(epoch, step, steps)
-                set_lr(self.optimizer, lr)
-                buffers = self.guard.buffers_before(self.model)
-            with record_function("step:forward"), self.precision.autocast():
-                logits = self.model(images)
-                loss = self.criterion(logits, target)
-            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
-                         large_images=bad_images.count_large(batch))
-            if self.guard.allows_update(loss, epoch, step, lr):
-                with record_function("step:backward and optimizer"):
-                    self.precision.backward_and_step(loss, self.optimizer)
-                with record_function("step:metric sums"):
-                    sums.add(loss, logits, target, timed=timer.timing, **files)
-            else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
-                self.guard.restore_buffers(self.model, buffers)
-                self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
-                              f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
-                sums.add_files(**files)
-            if self._should_print(step, steps):  # the one host sync per interval
-                status = self.precision.status()
-                progress.show(step, sums.totals(), timer, lr, status)
-                self.log.explain_skipped_steps(status)
-            timer.step_done()
+        try:
+            for step in step_numbers:
+                with record_function("step:stop control"):
+                    decision = self.control.step(epoch * steps + step)
+                if decision.checkpoint or decision.stop:
+                    self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
+                    with timer.paused():
+                        partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
+                        path, failure = _saved_or_why(lambda: self.checkpointer.save_mid_epoch(
+                            epoch, step, images_done + (step - step_numbers.start) * loaders.global_batch,
+                            partial.to_dict(), steps, stopping=decision.stop, log=self.log))
+                    if decision.stop:
+                        raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
+                with record_function("step:data"):
+                    batch = next(batches)
+                timer.batch_ready()
+                images, target = batch.image, batch.target
+                with record_function("step:seed, lr, guard"):
+                    # Dropout (and any other randomness in the model) draws from a seed of this step: the same
+                    # in a run resumed here as in one that never stopped.
+                    seed_generators(derived_seed(loaders.seed, epoch, step, self.ctx.rank), self.ctx.devices)
+                    lr = self.schedule.lr(epoch, step, steps)
+                    set_lr(self.optimizer, lr)
+                    buffers = self.guard.buffers_before(self.model)
+                with record_function("step:forward"), self.precision.autocast():
+                    logits = self.model(images)
+                    loss = self.criterion(logits, target)
+                files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
+                             large_images=bad_images.count_large(batch))
+                if self.guard.allows_update(loss, epoch, step, lr):
+                    with record_function("step:backward and optimizer"):
+                        self.precision.backward_and_step(loss, self.optimizer)
+                    with record_function("step:metric sums"):
+                        sums.add(loss, logits, target, timed=timer.timing, **files)
+                else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
+                    self.guard.restore_buffers(self.model, buffers)
+                    self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
+                                  f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
+                    sums.add_files(**files)
+                if self._should_print(step, steps):  # the one host sync per interval
+                    status = self.precision.status()
+                    progress.show(step, sums.totals(), timer, lr, status)
+                    self.log.explain_skipped_steps(status)
+                timer.step_done()
+                if profiler is not None:
+                    with timer.paused():  # writing the profile, after its last step, is not the epoch's time
+                        profiler.step()
+        finally:  # also when a stop or an error leaves the epoch: the profile so far is written
             if profiler is not None:
-                profiler.step()
-        if profiler is not None:
-            self.log.info(profiler.close())
+                self.log.info(profiler.close())
         self.guard.settle()
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
         bad_files = _report_bad_images(self.log, self.ctx, epoch, "train", totals, bad_images, before.bad_files)

@@ -15,6 +15,7 @@ The figures that span processes are explicit collectives here
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
@@ -151,13 +152,20 @@ class StepProfiler:
     process only (one profile is what a reader opens; the others run as
     usual). It writes into `folder`: trace.json, a Chrome trace
     (chrome://tracing, or ui.perfetto.dev), and summary.txt: the wall time
-    per step, on a GPU the share of it in which no kernel ran (launch
-    overhead, host syncs, waits for data between kernels), and the
-    operators and kernels by their own time on the device (CPU time on the
-    CPU), where engine's labelled parts of a step (`step:...`) show the
-    host work beside the model's. Call step() after each training step."""
+    per step, on a GPU the share of it in which no kernel or copy ran
+    (launch overhead, host syncs, waits for data), the operators and
+    kernels by their own time on the device (CPU time on the CPU), and the
+    loop's labelled parts (`step:...`, engine) by their CPU time: the host's
+    own work per step. Call step() after each training step (outside the
+    timed work: writing the profile takes a while), close() at the epoch's end."""
 
-    def __init__(self, steps: int, skip_steps: int, device: torch.device, folder):
+    LABELS = ("ProfilerStep", "step:")  # the profiler's and engine's ranges: not operators, not kernels
+    KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace's GPU work
+
+    def __init__(self, steps: int, first_step: int, device: torch.device, folder):
+        """Record steps first_step .. first_step + steps - 1 of the epoch
+        (counted from 0 at start; first_step >= 1: the step before it is the
+        profiler's own warm-up, recorded and dropped)."""
         from torch import profiler
 
         # Kineto, the profiler's tracer, logs an ERROR line when a CUDA build of torch finds no GPU, harmless
@@ -165,28 +173,29 @@ class StepProfiler:
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.folder = folder
         self.steps = steps
+        self.first_step = first_step
         self.on_gpu = device.type == "cuda"
         activities = [profiler.ProfilerActivity.CPU] + ([profiler.ProfilerActivity.CUDA] if self.on_gpu else [])
-        # One step of the profiler's own warm-up (recorded, then dropped) before the N it keeps.
-        schedule = profiler.schedule(wait=max(0, skip_steps - 1), warmup=1, active=steps, repeat=1)
+        schedule = profiler.schedule(wait=first_step - 1, warmup=1, active=steps, repeat=1)
         self.profile = profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._write)
-        self.skip_steps = skip_steps
         self.calls = 0  # steps done since start()
-        self.summary: Optional[str] = None  # its first line, once written
+        self.summary: Optional[str] = None  # the line to print, once the profile is written
         self.profile.start()
 
     @staticmethod
     def in_run(run_dir, epoch: int, first_step: int, steps: int, skip_steps: int,
                device: torch.device) -> "StepProfiler":
-        """A profiler of the epoch `epoch` that starts at step `first_step`,
-        writing into run_dir/profile-epoch<E>-step<S>/ (S: the first profiled
-        step); a resume that profiles the same step again writes beside it."""
-        folder = run_dir / f"profile-epoch{epoch:03d}-step{first_step + skip_steps:06d}"
+        """A profiler of epoch `epoch`, whose first step in this run is
+        `first_step`, skipping `skip_steps` (at least 1) of them: it writes
+        into run_dir/profile-epoch<E>-step<S>/ (S: the first profiled step);
+        a resume that profiles the same step again writes beside it."""
+        skip = max(1, skip_steps)
+        folder = run_dir / f"profile-epoch{epoch:03d}-step{first_step + skip:06d}"
         copies = 1
         while folder.exists():
             copies += 1
             folder = folder.with_name(f"{folder.name.split('.')[0]}.{copies}")
-        return StepProfiler(steps, skip_steps, device, folder)
+        return StepProfiler(steps, skip, device, folder)
 
     def step(self) -> None:
         if self.summary is None:
@@ -194,8 +203,8 @@ class StepProfiler:
             self.profile.step()
 
     def close(self) -> str:
-        """Stop profiling at the epoch's end; the line to print: what the
-        profile found and where it is, or that the epoch ended too soon."""
+        """Stop profiling (at the epoch's end, or a stop); the line to print:
+        what the profile found and where it is, or that the epoch ended too soon."""
         if self.profile is not None:
             self.profile.stop()
             self.profile = None
@@ -203,28 +212,46 @@ class StepProfiler:
                                 f"warm-up; nothing recorded")
 
     def _write(self, done) -> None:
+        try:
+            self._write_files(done)
+        except OSError as error:  # a full disk: the profile is lost, not the run
+            self.summary = f"profile: not written to {self.folder} ({error.strerror or error})"
+
+    def _write_files(self, done) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        done.export_chrome_trace(str(self.folder / "trace.json"))
-        # Whole training steps only: an epoch that ends early leaves a part-step (the epoch's end) recorded.
-        whole = max(0, min(self.steps, self.calls - self.skip_steps))
-        steps = sorted((event for event in done.events() if event.name.startswith("ProfilerStep")),
-                       key=lambda event: event.time_range.start)[:whole]
+        trace_path = self.folder / "trace.json"
+        done.export_chrome_trace(str(trace_path))
+        # The trace's categories tell host ranges from GPU work in every torch 2.x (events() mixes in the
+        # GPU-side copies of the ranges). Whole training steps only: an epoch that ends early leaves a
+        # part-step (the epoch's end) recorded.
+        events = json.loads(trace_path.read_text())["traceEvents"]
+        whole = max(0, min(self.steps, self.calls - self.first_step))
+        steps = sorted(((float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))) for event in events
+                        if event.get("cat") == "user_annotation" and
+                        str(event.get("name", "")).startswith("ProfilerStep")))[:whole]
         if not steps:
             return
-        start = min(event.time_range.start for event in steps)
-        wall_us = max(event.time_range.end for event in steps) - start
+        start, end = steps[0][0], max(stop for _, stop in steps)
         counted = f"{len(steps)} step(s)" if len(steps) >= self.steps else \
             f"{len(steps)} of {self.steps} steps (the epoch ended sooner)"
-        line = f"{counted} profiled: {wall_us / 1000 / len(steps):.1f} ms per step"
+        line = f"{counted} profiled: {(end - start) / 1000 / len(steps):.1f} ms per step"
         if self.on_gpu:
-            kernels = [(event.time_range.start, event.time_range.end) for event in done.events()
-                       if event.device_type == torch.autograd.DeviceType.CUDA]
-            idle = 1.0 - busy_microseconds(kernels) / wall_us if wall_us > 0 else 0.0
-            line += f"; the GPU ran no kernel {100 * idle:.1f}% of that time"
+            work = [(max(start, float(event["ts"])), min(end, float(event["ts"]) + float(event.get("dur", 0))))
+                    for event in events if event.get("cat") in self.KERNEL_CATEGORIES]
+            idle = 1.0 - busy_microseconds([(a, b) for a, b in work if b > a]) / (end - start)
+            line += f"; the GPU ran no kernel or copy {100 * idle:.1f}% of that time"
+        from torch.autograd.profiler_util import EventList
+
+        averages = done.key_averages()
+        operators = EventList([row for row in averages if not row.key.startswith(self.LABELS)])
+        parts = EventList([row for row in averages if row.key.startswith("step:")])
         sort_by = "self_cuda_time_total" if self.on_gpu else "self_cpu_time_total"
-        table = done.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=80)
-        (self.folder / "summary.txt").write_text(f"{line}\n\n{table}\n")
-        self.summary = f"profile: {line}; {self.folder / 'summary.txt'}, {self.folder / 'trace.json'}"
+        (self.folder / "summary.txt").write_text(
+            f"{line}\n\nOperators and kernels, by their own time on the {'GPU' if self.on_gpu else 'CPU'}:\n"
+            f"{operators.table(sort_by=sort_by, row_limit=40, max_name_column_width=80)}\n\n"
+            f"The loop's parts (common/engine.py), by CPU time:\n"
+            f"{parts.table(sort_by='cpu_time_total', row_limit=20, max_name_column_width=80)}\n")
+        self.summary = f"profile: {line}; {self.folder / 'summary.txt'}, {trace_path}"
 
 
 def busy_microseconds(intervals: List[Tuple[float, float]]) -> float:

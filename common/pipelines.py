@@ -30,7 +30,8 @@ the same box of the same image; only the resampling arithmetic differs
                that are not complete JPEGs take the torchvision path in the worker.
   dali         the gpu backend's workers (DaliImages); NVIDIA DALI decodes
                the crop's region of each JPEG on the device, resizes and
-               flips it (common.dali, imported only for this backend).
+               flips it (common.dali; DALI itself is imported only for this
+               backend).
 
 Images above Pillow's decompression-bomb limit are noted (Loaded.large_pixels)
 instead of letting Pillow warn without naming them: the training loop counts
@@ -573,6 +574,8 @@ class EncodedBatch:
         there, by `dali` (a common.dali.DaliDecoder) when given, else in one
         call to the run's decoder (nvJPEG on a GPU) and cropped and resized
         there; its other images were finished in the worker."""
+        if dali is not None and self.finished is None and self.lengths:
+            return dali.decode(self)  # all JPEGs: DALI's batch as it is, no copy
         if not self.lengths:
             decoded = iter(())
         else:

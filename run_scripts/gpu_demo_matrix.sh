@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The digits demo (run_scripts/demo.sh) on this machine's GPU with every entry script and every opt level,
 # O0 to O3 in fp16 and bf16: the runs RESULTS.md shows for a GPU (make figures RUNS=...). Each must end at
-# 95% validation top-1 or more; the last lines list any that did not, and the exit status is then 1.
+# 95% validation top-1 or more; the last lines list any that did not, or failed, and the exit status is then 1.
 #
 #   bash run_scripts/gpu_demo_matrix.sh                               # into results/runs/gpu-<date>/
 #   LOGDIR=runs/gpu-check PYTHON=.venv/bin/python bash run_scripts/gpu_demo_matrix.sh --data-backend dali
@@ -18,15 +18,17 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
   exit 2
 fi
 
-names=()
-run() {  # run NAME SCRIPT [flags...]
-  local name=$1 script=$2
-  shift 2
-  names+=("$name")
-  echo "== $name: $script $*"
-  PYTHON=$PYTHON LOGDIR=$LOGDIR SCRIPT=$script bash run_scripts/demo.sh --run-name "$name" "$@" "${EXTRA[@]}"
-}
+names=()     # the runs that ended, checked below
+crashed=()   # the runs that failed, with their exit status
 EXTRA=("$@")
+run() {  # run NAME SCRIPT [flags...]: a run that fails is noted, and the others still run
+  local name=$1 script=$2 status=0
+  shift 2
+  echo "== $name: $script $*"
+  PYTHON=$PYTHON LOGDIR=$LOGDIR SCRIPT=$script bash run_scripts/demo.sh --run-name "$name" "$@" \
+    ${EXTRA[@]+"${EXTRA[@]}"} || status=$?
+  if [[ $status == 0 ]]; then names+=("$name"); else crashed+=("$name (exit $status)"); fi
+}
 
 run nd imagenet_nd.py
 run dp imagenet_dp.py
@@ -38,8 +40,9 @@ for dtype in fp16 bf16; do
   done
 done
 
-# The best validation top-1 of each run, from its metrics.csv.
-"$PYTHON" - "$LOGDIR" "$MIN_TOP1" "${names[@]}" <<'EOF'
+# The best validation top-1 of each run that ended, from its metrics.csv; then the runs that failed.
+status=0
+"$PYTHON" - "$LOGDIR" "$MIN_TOP1" ${names[@]+"${names[@]}"} <<'EOF' || status=1
 import csv, sys
 from pathlib import Path
 
@@ -53,5 +56,10 @@ for name in names:
         short.append(f"{name} ({best:.2f}%)")
 if short:
     sys.exit(f"below {least:g}% validation top-1: {', '.join(short)}")
-print(f"all {len(names)} runs at {least:g}% or more: {logdir}")
+print(f"{len(names)} run(s) at {least:g}% or more: {logdir}")
 EOF
+if (( ${#crashed[@]} )); then
+  echo "failed: ${crashed[*]}" >&2
+  status=1
+fi
+exit "$status"

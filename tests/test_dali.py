@@ -209,6 +209,15 @@ def test_a_file_dali_refuses_costs_one_warning_and_a_cpu_decode_not_the_run(tmp_
         warnings.simplefilter("error")  # a new pipeline, and no second warning
         assert torch.equal(encoded_batch([str(path) for path in files], pipeline).decode(torch.device("cpu"),
                                                                                          decoder), healthy)
+    # Batch after batch refused is DALI failing here, not a file: the run stops, naming the backend.
+    only_damaged = encoded_batch([str(bad)], DaliImages(True, 16), seed=5)
+    for _ in range(dali.MAX_REFUSED_IN_A_ROW - 1):
+        with warnings.catch_warnings(), pytest.raises(pipelines.BadImageError):
+            warnings.simplefilter("ignore")
+            only_damaged.decode(torch.device("cpu"), decoder)
+    with pytest.raises(dali.DaliFailing, match=f"^argument --data-backend: DALI refused "
+                                               f"{dali.MAX_REFUSED_IN_A_ROW} batches in a row"):
+        only_damaged.decode(torch.device("cpu"), decoder)
 
 
 def test_without_dali_the_backend_is_one_line_naming_the_package(tmp_path):
@@ -226,7 +235,7 @@ def test_without_dali_the_backend_is_one_line_naming_the_package(tmp_path):
                        else "nvidia-dali-cuda130")
     assert completed.stderr.splitlines() == [
         f"imagenet_nd.py: error: argument --data-backend: dali needs NVIDIA DALI (not installed): pip install "
-        f"{package}{dali_cuda_words()} (pip install -r requirements-dali.txt for CUDA 13)"]
+        f"'{package}>=2.4'{dali_cuda_words()} (pip install -r requirements-dali.txt for CUDA 13)"]
     assert not (tmp_path / "runs").exists()
 
 
@@ -291,7 +300,9 @@ def test_two_processes_train_with_dali_and_a_mid_epoch_resume_equals_the_whole_r
 @pytest.mark.gpu
 def test_the_gpu_decodes_the_cpu_decoders_crops_within_a_few_gray_levels(jpegs):
     batch = encoded_batch(jpegs, DaliImages(True, 224))
-    on_gpu = batch.decode(torch.device("cuda"), dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pipelines.GPUDecodeFallback)  # DALI's GPU decode, not the CPU's stand-in
+        on_gpu = batch.decode(torch.device("cuda"), dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4))
     on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), 224, len(jpegs), 2))
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
     difference = (on_gpu.cpu().int() - on_cpu.int()).abs().double()
@@ -307,6 +318,6 @@ def test_a_gpu_run_with_dali_trains_and_counts_every_image(tmp_path):
                          "-b", "8", "-j", "2", "--epochs", "1", "--data-backend", "dali", "--logdir", tmp_path / "runs",
                          "--run-name", "r"], env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert "decodes the JPEGs on the GPU" in result.stdout
+    assert "decodes the JPEGs on the GPU" in result.stdout and "DALI refused" not in result.stderr
     assert [(row["split"], row["images"]) for row in rows(tmp_path / "runs" / "r")] == [("train", "48"),
                                                                                          ("val", "15")]

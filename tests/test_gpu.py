@@ -150,6 +150,26 @@ def test_a_profile_on_the_gpu_says_how_long_no_kernel_ran(tmp_path):
     assert result.returncode == 0, result.stderr
     (summary,) = (tmp_path / "r").glob("profile-*/summary.txt")
     first = summary.read_text().splitlines()[0]
-    idle = float(first.split("the GPU ran no kernel ")[1].split("%")[0])
+    ms_per_step = float(first.split("profiled: ")[1].split(" ms per step")[0])
+    idle = float(first.split("the GPU ran no kernel or copy ")[1].split("%")[0])
     assert first.startswith("3 step(s) profiled: ") and 0.0 <= idle < 100.0
     assert any(column in summary.read_text() for column in ("Self CUDA", "Self Device"))  # kernels' own time
+    # The profiled steps took about what the epoch's timed steps took (the profiler adds a little).
+    seconds_per_step = float(_train_rows(tmp_path / "r")[0]["seconds_per_step"])
+    assert 0.5 * seconds_per_step <= ms_per_step / 1000 <= 3 * seconds_per_step
+    trace = json.loads(next((tmp_path / "r").glob("profile-*/trace.json")).read_text())
+    assert sum(event.get("name", "").startswith("ProfilerStep") and event.get("cat") == "user_annotation"
+               for event in trace["traceEvents"]) == 3
+
+
+@pytest.mark.gpu
+def test_seed_generators_seeds_each_gpu_the_step_uses_as_torch_manual_seed_does():
+    import torch
+
+    from common import engine
+
+    devices = [torch.device("cuda", index) for index in range(torch.cuda.device_count())]
+    engine.seed_generators(1234, devices)
+    ours = [torch.cuda.get_rng_state(device) for device in devices]
+    torch.manual_seed(1234)
+    assert all(torch.equal(state, torch.cuda.get_rng_state(device)) for state, device in zip(ours, devices))

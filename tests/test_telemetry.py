@@ -373,10 +373,14 @@ def test_profile_steps_write_a_trace_and_a_summary_of_the_steps_after_the_warm_u
     assert calls == {name: 3 for name in ("step:stop control", "step:data", "step:seed, lr, guard", "step:forward",
                                           "step:backward and optimizer", "step:metric sums")}
     trace = json.loads((folder / "trace.json").read_text())
-    assert sum(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"]) == 3
+    assert sum(event.get("name", "").startswith("ProfilerStep") and event.get("cat") == "user_annotation"
+               for event in trace["traceEvents"]) == 3
     assert "profile: 3 step(s) profiled: " in result.stdout and str(folder / "summary.txt") in result.stdout
     assert "ERROR" not in result.stderr  # Kineto's complaint about the GPU a CUDA build finds missing
 
+    zero_warmup = run_script([*args, "--profile-steps", "2", "--throughput-warmup-steps", "0", "--run-name", "zero"])
+    assert zero_warmup.returncode == 0, zero_warmup.stderr  # the profiler's own warm-up step is step 0
+    assert [path.name for path in (tmp_path / "zero").glob("profile-*")] == ["profile-epoch000-step000001"]
     too_many = run_script([*args, "--profile-steps", "5", "--run-name", "more"])  # 4 steps after the warm-up
     assert too_many.returncode == 0, too_many.stderr
     assert "profile: 4 of 5 steps (the epoch ended sooner) profiled: " in too_many.stdout
@@ -384,3 +388,12 @@ def test_profile_steps_write_a_trace_and_a_summary_of_the_steps_after_the_warm_u
     assert late.returncode == 0, late.stderr
     assert "profile: the epoch ended before --profile-steps 1 steps after the warm-up; nothing recorded" in late.stdout
     assert not list((tmp_path / "late").glob("profile-*/summary.txt"))
+
+
+def test_seed_generators_leaves_the_cpu_generator_as_torch_manual_seed_does():
+    engine.seed_generators(1234, [torch.device("cpu")])
+    ours = torch.get_rng_state()
+    torch.manual_seed(1234)
+    assert torch.equal(ours, torch.get_rng_state())
+    engine.seed_generators(99, [torch.device("cpu")])
+    assert not torch.equal(ours, torch.get_rng_state())
