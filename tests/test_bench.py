@@ -510,3 +510,19 @@ def test_repeats_run_in_fresh_processes_and_rows_carry_the_gpu_state_and_mfu(tmp
         "--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active "
         "--format=csv,noheader,nounits -i 3"}
     assert "end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: " in completed.stdout
+
+
+def test_the_input_section_measures_dali_only_where_the_backends_name_it_and_it_imports(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    asked = _fake_measurements(monkeypatch)
+    bench.input_section(settings(data=str(root), input_repeats=1), str(root))
+    assert asked == ["reference", "pil", "torchvision"]  # the CPU's default backends: no dali
+    asked.clear()
+    monkeypatch.setattr(bench, "backend_missing", lambda backend: "")
+    rows = bench.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
+    assert asked == ["reference", "pil", "torchvision", "dali"]
+    assert rows[-1]["command"] == "--data-backend dali -j 1" and rows[-1]["data_backend"] == "dali"
+    asked.clear()
+    monkeypatch.setattr(bench, "backend_missing", lambda backend: bench.DALI_MISSING)
+    bench.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
+    assert asked == ["reference", "pil", "torchvision"]  # named but not installed: the end-to-end row says so
