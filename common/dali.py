@@ -98,12 +98,14 @@ def windows(geometry: Geometry, width: int, height: int) -> Tuple[List[float], L
 
 class DaliDecoder:
     """The DALI pipeline of one training process: decode(batch) makes the
-    batch's JPEGs N x 3 x S x S uint8 images on the device. Built when first
-    used, in the process that uses it (a pipeline cannot be pickled to
-    another). A file DALI refuses (a JPEG damaged inside, which the workers'
-    header check cannot see) leaves its pipeline unusable: that batch is then
-    decoded on the CPU in this process (Pillow names a file it cannot read
-    either), a warning says so once, and the next batch gets a new pipeline."""
+    batch's JPEGs N x 3 x S x S uint8 images on the device. Built when made,
+    in the training process (a pipeline cannot be pickled to another), so a
+    DALI that cannot build it here says so before any data is read. A file
+    DALI refuses (a JPEG damaged inside, which the workers' header check
+    cannot see) leaves its pipeline unusable: that batch is then decoded on
+    the CPU in this process (Pillow names a file it cannot read either), a
+    warning says so once, and the next batch gets a new pipeline;
+    MAX_REFUSED_IN_A_ROW batches refused in a row stop the run."""
 
     def __init__(self, device: torch.device, image_size: int, max_batch: int, threads: int):
         self.dali = import_dali()
@@ -144,7 +146,8 @@ class DaliDecoder:
         device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
             if self.on_gpu else None
         # Fed and run one batch at a time (DeviceInput prepares the next batch during the current step).
-        # The dynamic executor (DALI's default since 2.0) hands outputs over on the caller's CUDA stream.
+        # The dynamic executor (DALI 2.4's default; asked for, for older ones) hands outputs over on the
+        # caller's CUDA stream.
         pipeline = self.dali.Pipeline(batch_size=self.max_batch, num_threads=self.threads, device_id=device_id,
                                       prefetch_queue_depth=1, exec_dynamic=True)
         decode_options = dict(device="mixed" if self.on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
