@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -56,16 +56,28 @@ def dali_package() -> str:
     return f"nvidia-dali-cuda{major}0"
 
 
+def import_failure() -> Optional[Exception]:
+    """What importing nvidia.dali raises here, None when it imports (the
+    bench asks this too, to say why a dali row has no figures)."""
+    try:
+        importlib.import_module("nvidia.dali")
+    except Exception as error:  # a broken or mismatched wheel fails in many ways: ImportError, OSError, ...
+        return error
+    return None
+
+
+def not_installed(error: Exception) -> bool:
+    """import_failure's error means DALI is missing (not a dependency of it:
+    that is a broken install)."""
+    return isinstance(error, ModuleNotFoundError) and error.name in ("nvidia", "nvidia.dali")
+
+
 def import_dali():
     """nvidia.dali, or a UsageError saying what to install."""
-    try:
+    error = import_failure()
+    if error is None:
         return importlib.import_module("nvidia.dali")
-    except ModuleNotFoundError as error:
-        # DALI itself missing; a dependency of it that is missing means a broken install instead.
-        reason = "not installed" if error.name in ("nvidia", "nvidia.dali") else \
-            f"it does not import: {error_summary(error, limit=160)}"
-    except Exception as error:  # a broken or mismatched wheel fails in many ways
-        reason = f"it does not import: {error_summary(error, limit=160)}"
+    reason = "not installed" if not_installed(error) else f"it does not import: {error_summary(error, limit=160)}"
     cuda = f" for this PyTorch's CUDA {torch.version.cuda}" if torch.version.cuda else ""
     raise UsageError(f"argument --data-backend: dali needs NVIDIA DALI ({reason}): pip install "
                      f"'{dali_package()}>={DALI_TESTED}'{cuda} (pip install -r {DALI_REQUIREMENTS} for CUDA 13)")

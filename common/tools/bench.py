@@ -801,13 +801,12 @@ def backend_missing(backend: str) -> str:
     """Why a data backend cannot run here ('' when it can): DALI is an optional package."""
     if backend != "dali":
         return ""
-    try:
-        import nvidia.dali  # noqa: F401  (imported only to see that it imports)
-    except (ImportError, OSError) as error:  # not installed, or broken (a CUDA library it cannot load, ...)
-        if isinstance(error, ModuleNotFoundError) and error.name in ("nvidia", "nvidia.dali"):
-            return DALI_MISSING
-        return f"nvidia.dali cannot be imported: {error_summary(error)}"
-    return ""
+    from common import dali
+
+    error = dali.import_failure()
+    if error is None:
+        return ""
+    return DALI_MISSING if dali.not_installed(error) else f"nvidia.dali cannot be imported: {error_summary(error)}"
 
 
 def ratios(rows: List[dict]) -> List[str]:
