@@ -59,8 +59,10 @@ def test_parallel_scripts_on_the_gpus(tmp_path, script, extra, name_part):
     assert name_part in run_dir.name
     train = _train_rows(run_dir)[0]
     assert int(train["steps"]) == 3 and math.isfinite(float(train["loss"]))
-    if "O1" in extra or "O2" in extra or not extra:
+    if script == "imagenet_ddp_apex.py" and ("O1" in extra or "O2" in extra or not extra):
         assert float(train["loss_scale"]) > 0  # fp16 on CUDA: the scaler is on
+    elif script != "imagenet_ddp_apex.py":
+        assert train["loss_scale"] == ""  # fp32: no scaler
 
 
 @pytest.mark.gpu
@@ -154,6 +156,7 @@ def test_a_profile_on_the_gpu_says_how_long_no_kernel_ran(tmp_path):
     idle = float(first.split("the GPU ran no kernel or copy ")[1].split("%")[0])
     assert first.startswith("3 step(s) profiled: ") and 0.0 <= idle < 100.0
     assert any(column in summary.read_text() for column in ("Self CUDA", "Self Device"))  # kernels' own time
+    assert "step:backward and optimizer" in summary.read_text()  # the loop's parts (torch's table failed here)
     # The profiled steps took about what the epoch's timed steps took (the profiler adds a little).
     seconds_per_step = float(_train_rows(tmp_path / "r")[0]["seconds_per_step"])
     assert 0.5 * seconds_per_step <= ms_per_step / 1000 <= 3 * seconds_per_step

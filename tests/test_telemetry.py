@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +356,18 @@ def test_busy_time_is_the_union_of_overlapping_kernels():
     assert measure.busy_microseconds([(0, 10), (20, 25)]) == 15.0  # disjoint: the sum
     assert measure.busy_microseconds([(20, 25), (0, 10), (5, 12), (6, 8)]) == 17.0  # overlapping and nested
     assert measure.busy_microseconds([(0, 10), (10, 20)]) == 20.0  # touching
+
+
+def test_the_loops_parts_are_host_time_per_step_whatever_device_time_the_ranges_carry():
+    # On the H200 torch's own table of these ranges failed an assertion (device time, no self device time).
+    part = types.SimpleNamespace
+    parts = [part(key="step:data", count=4, cpu_time_total=2000.0, device_time_total=900.0, self_device_time_total=0),
+             part(key="step:forward", count=4, cpu_time_total=12000.0, device_time_total=5e4, self_device_time_total=0)]
+    lines = measure.parts_table(parts, steps=4, step_microseconds=10000.0).splitlines()
+    assert [re.split(r"\s{2,}", line.strip()) for line in lines] == [
+        ["part", "CPU ms/step", "of the step", "calls"],
+        ["step:forward", "3.000", "30.0%", "4"],  # 12 ms over 4 steps of 10 ms
+        ["step:data", "0.500", "5.0%", "4"]]
 
 
 def test_profile_steps_write_a_trace_and_a_summary_of_the_steps_after_the_warm_up(tmp_path):
