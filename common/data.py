@@ -38,6 +38,7 @@ from torch.utils.data import default_collate
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
+from common.filelist import FileList
 from common.launch import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
 from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
@@ -150,7 +151,7 @@ def _is_broken_link(entry: os.DirEntry) -> bool:
 
 
 def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
-               owners: Optional[FolderOwners] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
+               owners: Optional[FolderOwners] = None) -> Tuple[List[str], FileList]:
     """The classes and (path, class index) samples of one split folder.
 
     With `class_to_idx` (train's mapping, when scanning val/) every class
@@ -169,16 +170,18 @@ def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
         raise UsageError(f"{split_dir}: no class folders (expected {split_dir}/<class>/<images>)")
     if class_to_idx is None:
         class_to_idx = {name: index for index, name in enumerate(classes)}
-    samples = []
-    for name in classes:
-        if name not in class_to_idx:
-            raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
-        files = _image_files(split_dir / name, owners)
-        if not files:
-            raise UsageError(f"{split_dir / name}: class folder has no images "
-                             f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
-        samples.extend((path, class_to_idx[name]) for path in files)
-    return classes, samples
+
+    def samples():
+        for name in classes:
+            if name not in class_to_idx:
+                raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
+            files = _image_files(split_dir / name, owners)
+            if not files:
+                raise UsageError(f"{split_dir / name}: class folder has no images "
+                                 f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
+            yield from ((path, class_to_idx[name]) for path in files)
+
+    return classes, FileList(samples(), prefix=str(split_dir) + os.sep)
 
 
 def derived_seed(*parts: int) -> int:
@@ -203,7 +206,7 @@ class ImageFolderDataset(Dataset):
 
     def __init__(self, samples: Sequence[Tuple[str, int]], pipeline: Callable, augmentation_seed: Optional[int] = None,
                  skip_bad_images: bool = False):
-        self.samples = list(samples)
+        self.samples = samples if isinstance(samples, FileList) else FileList(samples)  # no per-sample objects
         self.pipeline = pipeline
         self.augmentation_seed = augmentation_seed
         self.skip_bad_images = skip_bad_images

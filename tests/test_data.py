@@ -335,3 +335,65 @@ def test_damaged_dataset_marker_is_refused_not_a_traceback(tmp_path):
     (tmp_path / "digits" / "dataset.json").write_text("{ not json")
     with pytest.raises(UsageError, match="exists and is not a dataset"):
         write_digits(tmp_path / "digits")
+
+
+# --- the compact file list (common.filelist) ---
+
+def test_a_file_list_is_a_read_only_sequence_of_its_samples():
+    import pickle
+
+    from common.filelist import FileList
+
+    pairs = [("/d/train/b/1.JPEG", 1), ("/d/train/a/é.png", 0), ("/d/train/a/deep/2.jpg", 40000)]
+    listed = FileList(pairs, prefix="/d/train/")
+    assert list(listed) == pairs and len(listed) == 3 and listed[-1] == pairs[-1] and listed[0:3:2] == pairs[0:3:2]
+    assert listed.targets.dtype == np.int64  # a class index above int16's range keeps its value
+    assert FileList(pairs[:2]).targets.dtype == np.int16 and list(FileList(pairs[:2])) == pairs[:2]
+    assert list(pickle.loads(pickle.dumps(listed))) == pairs  # a spawned or forkserver worker's copy
+    assert len(FileList()) == 0 and list(FileList()) == []
+    with pytest.raises(IndexError):
+        listed[3]
+    with pytest.raises(ValueError, match="does not start with the list's prefix"):
+        FileList([("/elsewhere/x.JPEG", 0)], prefix="/d/train/")
+    # The paths' bytes (after the prefix), a 4-byte end offset and a 2-byte class index each: nothing more.
+    relative = [f"n{c:08d}/n{c:08d}_{i}.JPEG" for c in range(10) for i in range(1000)]
+    imagenet_like = FileList(((f"/d/train/{path}", int(path[1:9])) for path in relative), prefix="/d/train/")
+    assert imagenet_like.nbytes == sum(map(len, relative)) + (4 + 2) * 10_000
+
+
+def _private_bytes_after_reading(samples) -> int:
+    """How much of its memory a process forked now makes private (copies)
+    by reading every sample once, as a data-loading worker does in an epoch."""
+    import gc
+    import os
+
+    def private() -> int:
+        with open("/proc/self/smaps_rollup") as handle:
+            return sum(int(line.split()[1]) * 1024 for line in handle if line.startswith("Private_"))
+
+    gc.collect()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: as a forked worker
+        os.close(reader)
+        before = private()
+        for index in range(len(samples)):
+            path, target = samples[index]
+        os.write(writer, str(private() - before).encode())
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as handle:
+        grown = int(handle.read())
+    os.waitpid(pid, 0)
+    return grown
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="Linux's per-process memory accounts")
+def test_a_forked_worker_that_reads_every_sample_copies_no_page_of_the_file_list():
+    from common.filelist import FileList
+
+    pairs = [(f"/datasets/imagenet/train/n{c:08d}/n{c:08d}_{i:05d}.JPEG", c) for c in range(100) for i in range(2000)]
+    compact = FileList(pairs, prefix="/datasets/imagenet/train/")
+    copied = {"tuples": _private_bytes_after_reading(pairs), "compact": _private_bytes_after_reading(compact)}
+    assert copied["tuples"] > 10 * 2 ** 20, copied  # the copy-on-read the list avoids: this test can tell
+    assert copied["compact"] < 2 ** 20, copied

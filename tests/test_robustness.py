@@ -142,6 +142,24 @@ def test_scan_finds_exactly_the_image_files(odd_data):
     assert {target for _, target in val} == {0, 1}
 
 
+def test_the_compact_file_list_holds_the_scan_in_order(odd_data):
+    """scan_split's FileList gives back exactly the tuples the scan found:
+    the paths (a name that is not UTF-8 too), their order and their classes."""
+    root, _ = odd_data
+    class_0 = root / "train" / "class_0"
+    not_utf8 = os.fsdecode(os.fsencode(class_0) + b"/caf\xe9.JPEG")
+    os.symlink(class_0 / "000.JPEG", not_utf8)
+    class_to_idx = {f"class_{index}": index for index in range(3)}
+    for split in ("train", "val"):
+        _, listed = data.scan_split(root / split, class_to_idx)
+        found = [(path, index) for name, index in class_to_idx.items() if (root / split / name).exists()
+                 for path in data._image_files(root / split / name)]
+        assert list(listed) == found and len(found) > 10
+        assert [listed[index] for index in range(-len(found), 0)] == found  # negative indices, as a list's
+        if split == "train":
+            assert (not_utf8, 0) in found
+
+
 def test_every_readable_oddity_decodes_to_its_colour(odd_data):
     root, files = odd_data
     for path in files["readable"]["train"]:
