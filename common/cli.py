@@ -117,6 +117,13 @@ def _add_data_flags(group) -> None:
     group.add_argument("--synthetic", action="store_true",
                        help="random tensors instead of images (no disk I/O), for benchmarking; DATA may be "
                             "omitted. Validation then covers 10 batches per process")
+    group.add_argument("--file-list", default=None, metavar="PATH",
+                       help="train from a prepared list instead of scanning DATA: one 'train/<class>/<file> LABEL' or "
+                            "'val/<class>/<file> LABEL' line per image, relative to DATA (DALI's file-list format; "
+                            "python -m common.tools.filelist DATA PATH writes one). Without it the primary process "
+                            "scans DATA once per job, and a later run reuses that scan (cached in "
+                            "~/.cache/imagenet-reference/, or under XDG_CACHE_HOME) while no folder of DATA has "
+                            "changed")
     group.add_argument("--bad-images", choices=("fail", "skip"), default="fail",
                        help="an image file that cannot be decoded (truncated, empty, not an image, unreadable): "
                             "fail stops the run at once, naming it; skip replaces it with the next readable image "
@@ -374,6 +381,8 @@ def _check_values(ns: argparse.Namespace) -> None:
     for split in ("train", "val"):
         if not _is(root / split, Path.is_dir, "DATA"):
             raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
+    if ns.file_list is not None and not _is(Path(ns.file_list), Path.is_file, "--file-list"):
+        raise UsageError(f"argument --file-list: no such file: {ns.file_list}")
 
 
 def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:

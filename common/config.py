@@ -69,6 +69,7 @@ class Config:
     loss_scale: Union[str, float, None] = None  # "dynamic" or a fixed scale; None: Apex's default
     dropout: Optional[float] = None  # None: the architecture's own default
     bad_images: str = "fail"  # fail | skip: what an unreadable image file does
+    file_list: Optional[str] = None  # "split/relative/path label" lines naming DATA's images; None: scan (cached)
     deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
     data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import os
 import random
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -36,9 +37,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from common.config import Config
-from common.distributed import Context, gather_to_primary
+from common.distributed import Context, broadcast_from_primary, gather_to_primary, spans_processes
 from common.errors import UsageError
-from common.filelist import FileList
+from common.filelist import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
 from common.launch import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
 from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
@@ -94,14 +95,17 @@ class FolderOwners:
                 for (first, second), real in self.shared.items()]
 
 
-def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None) -> List[str]:
+def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
+                 folders: Optional[List[Tuple[str, int]]] = None) -> List[str]:
     """Image files under a class folder (recursively, following symlinks),
     by extension, case-insensitive. Hidden files and folders, other
     extensions and anything that is not a regular file (a FIFO would block
     the reader forever) are ignored; a broken symlink is kept, so the
     --bad-images policy reports it. A folder that cannot be listed stops the
     run, naming it: silently fewer images would be a different dataset.
-    `owners` notes which real folders this class folder reached."""
+    `owners` notes which real folders this class folder reached; `folders`
+    gets each folder listed, with its modification time read before listing
+    it (the file-list cache's check: common.filelist.load_cache)."""
     found = []
     pending = [str(class_dir)]
     seen = set()  # real paths: a symlink back up the tree must not loop forever
@@ -114,6 +118,8 @@ def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None) -> List
         if owners is not None:
             owners.claim(real_folder, str(class_dir))
         try:
+            if folders is not None:
+                folders.append((folder, os.stat(folder).st_mtime_ns))
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as error:
             raise UsageError(f"{folder}: cannot list the folder ({error.strerror})") from None
@@ -151,14 +157,18 @@ def _is_broken_link(entry: os.DirEntry) -> bool:
 
 
 def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
-               owners: Optional[FolderOwners] = None) -> Tuple[List[str], FileList]:
+               owners: Optional[FolderOwners] = None,
+               folders: Optional[List[Tuple[str, int]]] = None) -> Tuple[List[str], FileList]:
     """The classes and (path, class index) samples of one split folder.
 
     With `class_to_idx` (train's mapping, when scanning val/) every class
     folder must be one of train's classes. `owners`, shared by the splits
-    of a dataset, notes folders reached from two class folders.
+    of a dataset, notes folders reached from two class folders; `folders`
+    gets every folder listed and its modification time (_image_files).
     """
     try:
+        if folders is not None:
+            folders.append((str(split_dir), os.stat(split_dir).st_mtime_ns))
         entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
     except OSError as error:
         raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
@@ -175,7 +185,7 @@ def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
         for name in classes:
             if name not in class_to_idx:
                 raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
-            files = _image_files(split_dir / name, owners)
+            files = _image_files(split_dir / name, owners, folders)
             if not files:
                 raise UsageError(f"{split_dir / name}: class folder has no images "
                                  f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
@@ -459,27 +469,72 @@ class Loaders:
                 f"in {self.num_classes} classes")
 
 
-def build_datasets(cfg: Config, replicas: int,
+def build_datasets(cfg: Config, ctx: Context,
                    decoder: Optional[JpegDecoder] = None) -> Tuple[Dataset, Dataset, List[str], List[str]]:
     """Training and validation sets, the class names, and what to tell the
     user about the data before training (Loaders.notes). `decoder`: see jpeg_decoder."""
     if cfg.synthetic:
         classes = [f"class{index:04d}" for index in range(SYNTHETIC_CLASSES)]
         train = SyntheticImages(IMAGENET_TRAIN_IMAGES, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed)
-        val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * replicas
+        val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * ctx.replicas
         val = SyntheticImages(val_length, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed + 1)
         # A habit of copied command lines; silence would suggest DATA was trained on.
         notes = [f"note: --synthetic: DATA {cfg.data} is not read; random images stand in for it"] if cfg.data else []
         return train, val, classes, notes
-    root = Path(cfg.data)
-    owners = FolderOwners()
-    classes, train_samples = scan_split(root / "train", owners=owners)
-    _, val_samples = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners)
+    lists = dataset_lists(cfg, ctx)
     skip = cfg.bad_images == "skip"
-    train = ImageFolderDataset(train_samples, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
+    train = ImageFolderDataset(lists.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
                                skip_bad_images=skip)
-    val = ImageFolderDataset(val_samples, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip)
-    return train, val, classes, owners.warnings()
+    val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip)
+    return train, val, lists.classes, lists.notes
+
+
+def scan_dataset(root: Path) -> DatasetLists:
+    """Scan DATA's train/ and val/ (val with train's class indices)."""
+    owners, folders = FolderOwners(), []
+    classes, train = scan_split(root / "train", owners=owners, folders=folders)
+    _, val = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners, folders)
+    return DatasetLists(classes, train, val, owners.warnings(), folders)
+
+
+def dataset_lists(cfg: Config, ctx: Context) -> DatasetLists:
+    """The dataset's classes and samples, found once per job: the primary
+    reads --file-list, or the cache of an earlier scan while its folders are
+    unchanged, or scans DATA (and caches what it found: filelist.cache_file);
+    every other process receives the lists from it instead of scanning the
+    shared file system too. A mistake the primary meets is everyone's."""
+    found, error = None, None
+    if ctx.is_primary or not spans_processes(ctx):  # without a process group each finds its own
+        try:
+            found = _find_lists(cfg)
+        except UsageError as raised:
+            error = str(raised)
+    found, error = broadcast_from_primary((found, error), ctx)
+    if error is not None:
+        raise UsageError(error)
+    return found
+
+
+def _find_lists(cfg: Config) -> DatasetLists:
+    started = time.monotonic()
+    if cfg.file_list:
+        lists = read_text_list(cfg.file_list, cfg.data)
+        source = f"from --file-list {cfg.file_list}"
+    else:
+        cache = cache_file(cfg.data)
+        lists = load_cache(cache)
+        if lists is not None:
+            source = f"from the cache {cache} (no folder changed since its scan)"
+        else:
+            lists = scan_dataset(Path(cfg.data))
+            try:
+                save_cache(cache, lists)
+                source = f"scanned, cached in {cache}"
+            except OSError as error:
+                source = f"scanned; not cached ({cache}: {error.strerror or error})"
+    images = f"{len(lists.train):,} training and {len(lists.val):,} validation images"
+    return dataclasses.replace(lists, notes=[*lists.notes, f"file lists: {images}, {source}, in "
+                                                           f"{time.monotonic() - started:.1f} s"])
 
 
 def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) -> Callable:
@@ -514,7 +569,7 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     dali = (DaliDecoder(ctx.device, cfg.image_size, batch_size, cfg.workers)
             if cfg.data_backend == "dali" and not cfg.synthetic else None)
     decoder = jpeg_decoder(cfg)
-    train_set, val_set, classes, notes = build_datasets(cfg, ctx.replicas, decoder)
+    train_set, val_set, classes, notes = build_datasets(cfg, ctx, decoder)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""

@@ -1,27 +1,41 @@
 """A dataset's (path, class index) samples, held compactly.
 
-A Python list of (str, int) tuples costs about 175 bytes an image in
+A Python list of (str, int) tuples costs about 200 bytes an image in
 objects, and it is not only memory: a data-loading worker forked from the
 training process shares those pages until it reads a sample, which writes
 the objects' reference counts, so page by page each worker ends up with a
 private copy (the copy-on-read growth PyTorch's DataLoader documentation
 warns about). At ImageNet's 1.28M images a worker that reads every sample
-once copied 227 MB (tests/test_data.py's reader; FileList: 0.2 MB), in each
-of the 80 workers a node has at the upstream's launch.
+once copied 265 MiB of them (the bench's data-scale section; FileList: 0.14
+MiB), in each of the 80 workers a node has at the upstream's launch.
 
 FileList keeps the paths' bytes in one numpy buffer, the offset where each
 one ends in a second array and the class indices in a third: three objects,
 whatever the number of images. Reading a sample builds the tuple it returns
 and writes to no page of the list.
+
+A dataset's lists (DatasetLists) are found once per job (common.data), and
+come from one of: a scan of DATA, the cache of an earlier scan (a small .npz
+file, used while every folder the scan listed keeps its modification time),
+or --file-list, a text file of "split/relative/path label" lines (the format
+of DALI's file reader) that `python -m common.tools.filelist` writes.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
 import operator
 import os
+import zipfile
 from collections.abc import Sequence
-from typing import Iterable, List, Tuple, Union
+from pathlib import Path
+from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
+
+from common.errors import UsageError
+from common.rundir import atomic_write
 
 
 class FileList(Sequence):
@@ -40,9 +54,7 @@ class FileList(Sequence):
             names.append(os.fsencode(path[len(prefix):]))
             targets.append(target)
         self.prefix = prefix
-        ends = np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)))
-        self.path_bytes = np.frombuffer(b"".join(names), dtype=np.uint8)
-        self.path_ends = ends.astype(np.uint32) if not len(ends) or ends[-1] < 2 ** 32 else ends
+        self.path_bytes, self.path_ends = pack(names)
         self.targets = np.asarray(targets, dtype=np.int16 if max(targets, default=0) < 2 ** 15 else np.int64)
 
     @property
@@ -61,9 +73,196 @@ class FileList(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} of {len(self)}")
-        start = int(self.path_ends[index - 1]) if index else 0
-        name = self.path_bytes[start:int(self.path_ends[index])].tobytes()
-        return self.prefix + os.fsdecode(name), int(self.targets[index])
+        return self.prefix + os.fsdecode(unpack_one(self.path_bytes, self.path_ends, index)), int(self.targets[index])
 
     def __repr__(self) -> str:
         return f"FileList({len(self)} samples under {self.prefix!r}, {self.nbytes} bytes)"
+
+    def arrays(self, name: str) -> Dict[str, np.ndarray]:
+        """The list as named arrays (for np.savez); from_arrays reads them back."""
+        prefix_bytes, _ = pack([os.fsencode(self.prefix)])
+        return {f"{name}_prefix": prefix_bytes, f"{name}_path_bytes": self.path_bytes,
+                f"{name}_path_ends": self.path_ends, f"{name}_targets": self.targets}
+
+    @classmethod
+    def from_arrays(cls, arrays, name: str) -> "FileList":
+        listed = cls()
+        listed.prefix = os.fsdecode(arrays[f"{name}_prefix"].tobytes())
+        listed.path_bytes, listed.path_ends = arrays[f"{name}_path_bytes"], arrays[f"{name}_path_ends"]
+        listed.targets = arrays[f"{name}_targets"]
+        if len(listed.path_ends) != len(listed.targets):
+            raise ValueError(f"{name}: {len(listed.path_ends)} paths but {len(listed.targets)} classes")
+        return listed
+
+
+def pack(names: List[bytes]) -> Tuple[np.ndarray, np.ndarray]:
+    """Byte strings as one uint8 buffer and the offset where each one ends
+    (uint32 while the buffer is under 4 GiB)."""
+    ends = np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)))
+    buffer = np.frombuffer(b"".join(names), dtype=np.uint8)
+    return buffer, ends.astype(np.uint32) if not len(ends) or ends[-1] < 2 ** 32 else ends
+
+
+def unpack_one(buffer: np.ndarray, ends: np.ndarray, index: int) -> bytes:
+    start = int(ends[index - 1]) if index else 0
+    return buffer[start:int(ends[index])].tobytes()
+
+
+def unpack(buffer: np.ndarray, ends: np.ndarray) -> List[bytes]:
+    return [unpack_one(buffer, ends, index) for index in range(len(ends))]
+
+
+@dataclasses.dataclass
+class DatasetLists:
+    """A dataset's class names and both splits' samples; the notes to show
+    before training (the scan's warnings); and the folders the scan listed,
+    each with its modification time (ns) read before listing it: a folder's
+    time changes when a file in it is added, removed or renamed, so a cached
+    scan whose folders all keep theirs still lists the tree."""
+    classes: List[str]
+    train: FileList
+    val: FileList
+    notes: List[str] = dataclasses.field(default_factory=list)
+    folders: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
+CACHE_VERSION = 1
+
+
+def cache_file(data: str) -> Path:
+    """Where the scan of the dataset folder `data` is cached: in the user's
+    cache folder (XDG_CACHE_HOME, else ~/.cache), one file per dataset (by its
+    real path), so every run of the user on that data shares it; not in
+    LOGDIR, whose folders are the runs."""
+    real = os.path.realpath(data)
+    digest = hashlib.sha1(os.fsencode(real)).hexdigest()[:12]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "imagenet-reference" / "file-lists" / f"{os.path.basename(real) or 'root'}-{digest}.npz"
+
+
+def _strings(name: str, values: Iterable[str]) -> Dict[str, np.ndarray]:
+    buffer, ends = pack([os.fsencode(value) for value in values])
+    return {f"{name}_bytes": buffer, f"{name}_ends": ends}
+
+
+def _read_strings(arrays, name: str) -> List[str]:
+    return [os.fsdecode(value) for value in unpack(arrays[f"{name}_bytes"], arrays[f"{name}_ends"])]
+
+
+def save_cache(path: Path, lists: DatasetLists) -> None:
+    """Write `lists` to `path` atomically (readers see the old file or the new one)."""
+    arrays = {"version": np.int64(CACHE_VERSION), **_strings("classes", lists.classes),
+              **_strings("notes", lists.notes), **_strings("folders", [folder for folder, _ in lists.folders]),
+              "folder_mtimes": np.asarray([mtime for _, mtime in lists.folders], dtype=np.int64),
+              **lists.train.arrays("train"), **lists.val.arrays("val")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda handle: np.savez(handle, **arrays))
+
+
+def load_cache(path: Path) -> Optional[DatasetLists]:
+    """The cached lists while every folder the scan listed keeps its
+    modification time; None (scan again) when there is no cache, it cannot be
+    read, it is of another version, or a folder changed or went away."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            if int(arrays["version"]) != CACHE_VERSION:
+                return None
+            folders = list(zip(_read_strings(arrays, "folders"), arrays["folder_mtimes"].tolist()))
+            if not folders or any(os.stat(folder).st_mtime_ns != mtime for folder, mtime in folders):
+                return None
+            return DatasetLists(_read_strings(arrays, "classes"), FileList.from_arrays(arrays, "train"),
+                                FileList.from_arrays(arrays, "val"), _read_strings(arrays, "notes"), folders)
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+
+
+SPLITS = ("train", "val")
+
+
+def write_text_list(handle: BinaryIO, lists: DatasetLists) -> int:
+    """--file-list's format: one "split/relative/path label" line per image
+    (relative to DATA; train's lines, then val's), in the lists' order, as
+    the file system's bytes. Returns the number of lines."""
+    lines = 0
+    for split, listed in zip(SPLITS, (lists.train, lists.val)):
+        for index in range(len(listed)):
+            name = unpack_one(listed.path_bytes, listed.path_ends, index)
+            if b"\n" in name or b"\r" in name:
+                raise UsageError(f"{listed[index][0]!r}: a file name with a line break cannot be listed; rename it")
+            handle.write(b"%s/%s %d\n" % (split.encode(), name, listed.targets[index]))
+            lines += 1
+    return lines
+
+
+def read_text_list(list_path: str, data: str) -> DatasetLists:
+    """--file-list: the lists of a "split/relative/path label" file, paths
+    relative to DATA. The class names are the folders under train/ that the
+    labels name, 0 to K-1 each naming one; val's lines must use train's
+    labels. Every listed file must exist (each folder is listed once to see).
+    Any mistake is a UsageError naming the line or the file."""
+    flag = f"argument --file-list: {list_path}"
+    by_split: Dict[str, List[Tuple[bytes, int]]] = {split: [] for split in SPLITS}
+    try:
+        with open(list_path, "rb") as handle:
+            for number, line in enumerate(handle, 1):
+                line = line.rstrip(b"\r\n")
+                if not line.strip():
+                    continue
+                name, _, label = line.rpartition(b" ")
+                split, _, relative = name.partition(b"/")
+                if not name or not label.isdigit() or split.decode(errors="replace") not in SPLITS or not relative:
+                    raise UsageError(f"{flag}: line {number}: expected 'train/<class>/<file> LABEL' or "
+                                     f"'val/<class>/<file> LABEL', got {line[:120]!r}")
+                by_split[split.decode()].append((relative, int(label)))
+    except OSError as error:
+        raise UsageError(f"{flag}: cannot read it ({error.strerror})") from None
+    classes = _classes_of(by_split, flag)
+    _check_present(by_split, data, flag)
+    lists = [FileList(((os.fsdecode(os.fsencode(str(Path(data) / split)) + b"/" + relative), label)
+                       for relative, label in by_split[split]), prefix=str(Path(data) / split) + os.sep)
+             for split in SPLITS]
+    return DatasetLists(classes, *lists)
+
+
+def _classes_of(by_split: Dict[str, List[Tuple[bytes, int]]], flag: str) -> List[str]:
+    """Train's class names by label (the folder each label's paths start in)."""
+    names: Dict[int, set] = collections.defaultdict(set)
+    for relative, label in by_split["train"]:
+        names[label].add(relative.split(b"/", 1)[0])
+    if not by_split["train"] or not by_split["val"]:
+        empty = "train" if not by_split["train"] else "val"
+        raise UsageError(f"{flag}: no {empty}/ lines")
+    if sorted(names) != list(range(len(names))):
+        raise UsageError(f"{flag}: train's labels must be 0 to K-1, each used; missing "
+                         f"{min(set(range(max(names) + 1)) - set(names))}")
+    for label, folders in names.items():
+        if len(folders) > 1:
+            raise UsageError(f"{flag}: label {label} names {len(folders)} class folders under train/ "
+                             f"({', '.join(sorted(map(os.fsdecode, folders))[:3])})")
+    classes = [os.fsdecode(next(iter(names[label]))) for label in range(len(names))]
+    index = {name: label for label, name in enumerate(classes)}
+    for relative, label in by_split["val"]:
+        folder = os.fsdecode(relative.split(b"/", 1)[0])
+        if index.get(folder) != label:
+            raise UsageError(f"{flag}: val/{os.fsdecode(relative)} has label {label}, but train/ gives "
+                             f"{folder!r} {'label ' + str(index[folder]) if folder in index else 'no label'}")
+    return classes
+
+
+def _check_present(by_split: Dict[str, List[Tuple[bytes, int]]], data: str, flag: str) -> None:
+    """Every listed file exists: each folder named is listed once."""
+    wanted: Dict[bytes, set] = collections.defaultdict(set)
+    for split, entries in by_split.items():
+        for relative, _ in entries:
+            folder, _, name = (split.encode() + b"/" + relative).rpartition(b"/")
+            wanted[folder].add(name)
+    root = os.fsencode(data)
+    missing = []
+    for folder, names in wanted.items():
+        try:
+            present = set(os.listdir(os.path.join(root, folder)))
+        except OSError:
+            present = set()
+        missing.extend(os.path.join(root, folder, name) for name in sorted(names - present))
+    if missing:
+        raise UsageError(f"{flag}: {len(missing)} listed file(s) missing, e.g. {os.fsdecode(missing[0])}")

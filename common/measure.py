@@ -15,6 +15,7 @@ The figures that span processes are explicit collectives here
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -62,6 +63,37 @@ def host_memory_mib() -> float:
     except (OSError, IndexError, ValueError):
         return math.nan
     return resident_pages * os.sysconf("SC_PAGE_SIZE") / MIB
+
+
+def private_bytes() -> int:
+    """This process's private memory (pages no other process shares), from
+    Linux's /proc/self/smaps_rollup."""
+    with open("/proc/self/smaps_rollup") as handle:
+        return sum(int(line.split()[1]) * 1024 for line in handle if line.startswith("Private_"))
+
+
+def bytes_a_forked_reader_copies(samples) -> int:
+    """How much memory a process forked now makes its own by reading every
+    sample of `samples` once, as a data-loading worker does in an epoch
+    (Linux): pages it shared with this process until a read wrote to them
+    (Python's reference counts). Measured in a child that exits at once."""
+    gc.collect()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child, as a forked data-loading worker
+        try:
+            os.close(reader)
+            before = private_bytes()
+            for index in range(len(samples)):
+                path, target = samples[index]  # as ImageFolderDataset reads a sample: the pair and its parts
+            os.write(writer, str(private_bytes() - before).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as handle:
+        said = handle.read()
+    os.waitpid(pid, 0)
+    return int(said)
 
 
 class StepTimer:

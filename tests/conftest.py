@@ -181,3 +181,10 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _file_list_cache_in_tmp(tmp_path_factory):
+    """The runs' scans are cached in the user's cache folder (common.filelist.cache_file): a
+    temporary one for the tests and the scripts they start, not the tester's."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

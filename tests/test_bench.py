@@ -495,12 +495,15 @@ def test_repeats_run_in_fresh_processes_and_rows_carry_the_gpu_state_and_mfu(tmp
     for row, label in zip(rows, ("reference", "nd", "synthetic", "--data-backend torchvision")):
         section = row["section"]
         speeds = [float(speed) for found, name, speed, _, _ in progress if (found, name) == (section, label)]
-        # The progress lines have one decimal, the rows two.
-        assert row["repeats"] == 2 and row["images_per_second"] == pytest.approx(statistics.median(speeds), abs=0.051)
+        # The progress lines have one decimal (0.05 off at most), the rows two (0.005).
+        assert row["repeats"] == 2 and row["images_per_second"] == pytest.approx(statistics.median(speeds), abs=0.056)
         assert (row["images_per_second_min"], row["images_per_second_max"]) == pytest.approx(
-            (min(speeds), max(speeds)), abs=0.051)
-        assert row["spread_percent"] == pytest.approx(  # of the unrounded figures
-            100 * (row["images_per_second_max"] - row["images_per_second_min"]) / row["images_per_second"], abs=0.05)
+            (min(speeds), max(speeds)), abs=0.056)
+        # The spread is of the unrounded figures, which lie within 0.005 of the row's: within the bounds they
+        # give (a loaded CI machine once made a 53% spread of two ~5 images/s runs, beyond a fixed tolerance).
+        low, high, median = row["images_per_second_min"], row["images_per_second_max"], row["images_per_second"]
+        assert 100 * (high - low - 0.01) / (median + 0.005) - 0.006 <= row["spread_percent"] <= \
+            100 * (high - low + 0.01) / (median - 0.005) + 0.006
         assert (row["sm_clock_mhz"], row["power_w"], row["temperature_c"], row["throttle_reasons"]) == (
             1755, 612.2, 67, "sw_power_cap")
         assert row["gpu_samples"] >= 2
@@ -526,3 +529,32 @@ def test_the_input_section_measures_dali_only_where_the_backends_name_it_and_it_
     monkeypatch.setattr(bench, "backend_missing", lambda backend: bench.DALI_MISSING)
     bench.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
     assert asked == ["reference", "pil", "torchvision"]  # named but not installed: the end-to-end row says so
+
+
+@pytest.mark.slow  # four short training runs on the CPU (about 20 s)
+def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp_path, capsys):
+    """At a reduced size (CI's): the tree of hard links, built once, and the rows the targets read."""
+    from common.data import scan_split
+    from common.tools import data_scale
+
+    bench.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),
+                "--csv", str(tmp_path / "scale.csv")])
+    with open(tmp_path / "scale.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["config"] for row in rows] == [
+        "10 images, restart (cached scan)", "200 images, first start (scans DATA)", "200 images, restart (cached scan)",
+        "200 images, the list as FileList", "200 images, the list as list of tuples (before)"]
+    assert all(row["section"] == "data-scale" and row["note"] == "" for row in rows)
+    assert all(0 < float(row["seconds"]) < 120 for row in rows[:3])
+    tree = tmp_path / "cache" / "hardlinked-10x20"
+    files = sorted((tree / "train").rglob("*.JPEG"))
+    assert len(files) == 200 and all(path.stat().st_nlink > 1 for path in files)  # links, a few distinct files
+    assert len({path.stat().st_ino for path in files}) == data_scale.SOURCES
+    _, listed = scan_split(tree / "train")
+    assert float(rows[3]["list_mib"]) == round(listed.nbytes / 2 ** 20, 2)
+    assert float(rows[3]["worker_copied_mib"]) < 1 and float(rows[4]["list_mib"]) > float(rows[3]["list_mib"])
+    said = capsys.readouterr().out
+    assert "data-scale: a cached restart on the large tree over one on the small tree: " in said
+    assert "target <= +0.5 s: target at 1,281,000 images)" in said  # no verdict below ImageNet's size
+    inode = files[0].stat().st_ino
+    assert data_scale.hardlinked_tree(tmp_path / "cache", 10, 20) == tree and files[0].stat().st_ino == inode  # reused

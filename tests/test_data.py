@@ -2,6 +2,7 @@
 demo and fake-ImageNet generators, and the unreadable-image policy."""
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -231,14 +232,15 @@ def test_a_class_folder_linked_to_another_class_or_split_is_named(tmp_path):
     files = [(Path(path).resolve().parent.relative_to(root.resolve()).as_posix(), label)
              for path, label in loaders.train.dataset.samples]
     assert files == [("train/class_0", 0)] * 2 + [("val/class_1", 1)] + [("train/class_0", 2)] * 2
-    assert len(loaders.notes) == 2, loaders.notes
-    two_labels, leak = sorted(loaders.notes)
+    warned = sorted(note for note in loaders.notes if note.startswith("warning: "))
+    assert len(warned) == 2, loaders.notes
+    two_labels, leak = warned
     assert two_labels.startswith(f"warning: {root / 'train' / 'class_2'} reaches the same files as "
                                  f"{root / 'train' / 'class_0'} ({(root / 'train' / 'class_0').resolve()}, ")
     assert leak.startswith(f"warning: {root / 'val' / 'class_1'} reaches the same files as "
                            f"{root / 'train' / 'class_1'} ({(root / 'val' / 'class_1').resolve()}, ")
-    assert build_loaders(parse("nd", [str(make_image_folder(tmp_path / "plain")), *FAST_ARGS, "-j", "0"]),
-                         CPU).notes == []
+    plain = build_loaders(parse("nd", [str(make_image_folder(tmp_path / "plain")), *FAST_ARGS, "-j", "0"]), CPU)
+    assert not [note for note in plain.notes if note.startswith("warning: ")]
 
 
 def test_every_image_mode_becomes_rgb(tmp_path):
@@ -361,39 +363,113 @@ def test_a_file_list_is_a_read_only_sequence_of_its_samples():
     assert imagenet_like.nbytes == sum(map(len, relative)) + (4 + 2) * 10_000
 
 
-def _private_bytes_after_reading(samples) -> int:
-    """How much of its memory a process forked now makes private (copies)
-    by reading every sample once, as a data-loading worker does in an epoch."""
-    import gc
-    import os
-
-    def private() -> int:
-        with open("/proc/self/smaps_rollup") as handle:
-            return sum(int(line.split()[1]) * 1024 for line in handle if line.startswith("Private_"))
-
-    gc.collect()
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: as a forked worker
-        os.close(reader)
-        before = private()
-        for index in range(len(samples)):
-            path, target = samples[index]
-        os.write(writer, str(private() - before).encode())
-        os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as handle:
-        grown = int(handle.read())
-    os.waitpid(pid, 0)
-    return grown
-
-
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="Linux's per-process memory accounts")
 def test_a_forked_worker_that_reads_every_sample_copies_no_page_of_the_file_list():
     from common.filelist import FileList
+    from common.measure import bytes_a_forked_reader_copies
 
     pairs = [(f"/datasets/imagenet/train/n{c:08d}/n{c:08d}_{i:05d}.JPEG", c) for c in range(100) for i in range(2000)]
     compact = FileList(pairs, prefix="/datasets/imagenet/train/")
-    copied = {"tuples": _private_bytes_after_reading(pairs), "compact": _private_bytes_after_reading(compact)}
+    copied = {"tuples": bytes_a_forked_reader_copies(pairs), "compact": bytes_a_forked_reader_copies(compact)}
     assert copied["tuples"] > 10 * 2 ** 20, copied  # the copy-on-read the list avoids: this test can tell
     assert copied["compact"] < 2 ** 20, copied
+
+
+# --- finding the lists once: the scan's cache, --file-list and its writer ---
+
+def _found(root: Path, *flags) -> data.DatasetLists:
+    """What build_loaders would train on."""
+    return data.dataset_lists(parse("nd", [str(root), *FAST_ARGS, *flags]), CPU)
+
+
+def _source(lists) -> str:
+    """SOURCE, of the last note: "file lists: N training and M validation images, SOURCE, in T s"."""
+    return re.fullmatch(r"file lists: [\d,]+ training and [\d,]+ validation images, (.*), in [\d.]+ s",
+                        lists.notes[-1]).group(1)
+
+
+def test_a_scan_is_cached_and_used_again_until_a_folder_gains_loses_or_renames_a_file(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=2)
+    first = _found(root)
+    assert _source(first) == f"scanned, cached in {data.cache_file(str(root))}"
+    again = _found(root)
+    assert _source(again) == f"from the cache {data.cache_file(str(root))} (no folder changed since its scan)"
+    assert list(again.train) == list(first.train) and list(again.val) == list(first.val)
+    assert again.classes == first.classes == ["class_0", "class_1", "class_2"]
+    folder = root / "train" / "class_1"
+    changes = [lambda: (folder / "000.JPEG").rename(folder / "zzz.JPEG"),  # renamed
+               lambda: (folder / "001.JPEG").unlink(),  # lost
+               lambda: (folder / "sub").mkdir(),  # gained a folder, then a file in it
+               lambda: (folder / "sub" / "new.JPEG").write_bytes((folder / "002.JPEG").read_bytes()),
+               lambda: (root / "train" / "class_3").mkdir() or (folder / "003.JPEG").rename(
+                   root / "train" / "class_3" / "003.JPEG")]  # a new class
+    for change in changes:
+        change()
+        changed = _found(root)
+        assert _source(changed).startswith("scanned"), changed.notes
+        assert list(changed.train) == list(data.scan_dataset(root).train)
+        assert _source(_found(root)).startswith("from the cache")
+    assert [Path(path).name for path, label in _found(root).train if label == 1] == ["002.JPEG", "zzz.JPEG",
+                                                                                       "new.JPEG"]
+    (root / "val" / "class_0" / "000.JPEG").unlink()  # val/ is checked too
+    assert len(_found(root).val) == 5
+
+
+def test_a_cache_that_cannot_be_read_is_scanned_again_and_one_that_cannot_be_written_is_said(tmp_path,
+                                                                                                 monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    cache = data.cache_file(str(root))
+    _found(root)
+    cache.write_bytes(cache.read_bytes()[:100])  # cut short
+    assert _source(_found(root)).startswith("scanned, cached in")
+    assert _source(_found(root)).startswith("from the cache")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    lists = _found(root)
+    assert _source(lists).startswith(f"scanned; not cached ({blocked}/imagenet-reference/file-lists/data-")
+    assert len(lists.train) == 4
+
+
+def test_the_written_file_list_gives_the_scans_lists_back(tmp_path):
+    from common.tools import filelist as tool
+
+    root = make_image_folder(tmp_path / "data", classes=3, train_per_class=3, val_per_class=2)
+    nested = root / "train" / "class_2" / "deeper"
+    nested.mkdir()
+    (nested / "a name with spaces.png").write_bytes((root / "train" / "class_2" / "000.JPEG").read_bytes())
+    (root / "val" / "class_1").rename(root / "val" / "zzz")  # val's classes need not be all of train's...
+    (root / "val" / "zzz").rename(root / "val" / "class_1")
+    listed = tmp_path / "list.txt"
+    tool.main([str(root), str(listed)])
+    lines = listed.read_text().splitlines()
+    assert lines[0] == "train/class_0/000.JPEG 0" and "train/class_2/deeper/a name with spaces.png 2" in lines
+    assert len(lines) == 3 * 3 + 1 + 3 * 2
+    scanned, read = data.scan_dataset(root), _found(root, "--file-list", str(listed))
+    assert (list(read.train), list(read.val), read.classes) == (list(scanned.train), list(scanned.val),
+                                                                scanned.classes)
+    assert _source(read) == f"from --file-list {listed}"
+    with pytest.raises(UsageError, match=r"^OUT .*list.txt: exists; choose another name \(nothing is overwritten\)"):
+        tool.main([str(root), str(listed)])
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["train/class_0/000.JPEG 0", "val/class_0/000.JPEG"], r"line 2: expected 'train/<class>/<file> LABEL'"),
+    (["test/class_0/000.JPEG 0"], r"line 1: expected"),
+    (["train/class_0/000.JPEG zero"], r"line 1: expected"),
+    (["train/class_0/000.JPEG 0", "train/class_1/000.JPEG 2", "val/class_0/000.JPEG 0"],
+     r"train's labels must be 0 to K-1, each used; missing 1"),
+    (["train/class_0/000.JPEG 0", "train/class_1/000.JPEG 0", "val/class_0/000.JPEG 0"],
+     r"label 0 names 2 class folders under train/"),
+    (["train/class_0/000.JPEG 0", "train/class_1/000.JPEG 1", "val/class_0/000.JPEG 1"],
+     r"val/class_0/000.JPEG has label 1, but train/ gives 'class_0' label 0"),
+    (["train/class_0/000.JPEG 0"], r"no val/ lines"),
+    (["train/class_0/000.JPEG 0", "train/class_0/gone.JPEG 0", "val/class_0/000.JPEG 0", "val/class_0/x.JPEG 0"],
+     r"2 listed file\(s\) missing, e.g. .*/train/class_0/gone.JPEG"),
+])
+def test_a_wrong_file_list_is_one_line_naming_it(tmp_path, lines, message):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    listed = tmp_path / "list.txt"
+    listed.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UsageError, match=rf"^argument --file-list: {listed}: {message}"):
+        _found(root, "--file-list", str(listed))

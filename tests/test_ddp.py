@@ -3,6 +3,7 @@ one process with the global batch, every launcher gives the same run,
 validation is exact at any world size, wrong launches fail fast with one
 line, and no process outlives an interrupted or crashed job."""
 import contextlib
+import dataclasses
 import csv
 import json
 import os
@@ -443,6 +444,38 @@ def test_spawned_workers_fork_their_data_loading_workers(tmp_path, monkeypatch):
     launch.start(_record_how_data_loading_workers_start,
                  cli.parse("ddp", ["--synthetic", "--device", "cpu", "--nproc-per-node", "2"]))
     assert sorted(path.read_text() for path in tmp_path.glob("rank*")) == ["_WorkerContext"] * 2
+
+
+def _record_the_lists_each_rank_finds(cfg, ctx):
+    """train() for launch.start: how many scans of DATA this process made, and the lists it got."""
+    from common import data
+
+    scans = []
+    scan = data.scan_dataset
+    data.scan_dataset = lambda root: scans.append(root) or scan(root)
+    lists = data.dataset_lists(cfg, ctx)
+    Path(os.environ["RECORD_DIR"], f"rank{ctx.rank}.json").write_text(json.dumps(
+        {"scans": len(scans), "train": [list(sample) for sample in lists.train], "classes": lists.classes}))
+
+
+def test_one_process_of_a_job_scans_the_data_and_the_next_job_reads_its_cache(data, tmp_path, monkeypatch):
+    from common import cli, launch
+
+    monkeypatch.setenv("RECORD_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no scan of `data` cached by other tests
+    cfg = cli.parse("ddp", [str(data), "--device", "cpu", "--nproc-per-node", "2", "--logdir", str(tmp_path / "runs")])
+    found = []
+    for _ in range(2):
+        launch.start(_record_the_lists_each_rank_finds, cfg)
+        found.append([json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)])
+    (first, second), (third, fourth) = found
+    assert [first["scans"], second["scans"], third["scans"], fourth["scans"]] == [1, 0, 0, 0]  # then the cache
+    assert first["train"] == second["train"] == third["train"] == fourth["train"] and len(first["train"]) > 10
+    # A mistake the primary meets ends every process alike: one line, exit status 2.
+    (tmp_path / "list.txt").write_text("train/nowhere/x.JPEG 0\nval/nowhere/y.JPEG 0\n")
+    with pytest.raises(SystemExit) as stopped:
+        launch.start(_record_the_lists_each_rank_finds, dataclasses.replace(cfg, file_list=str(tmp_path / "list.txt")))
+    assert stopped.value.code == 2
 
 
 def test_data_parallel_on_the_cpu_is_one_replica_and_trains_as_imagenet_nd(data, tmp_path):

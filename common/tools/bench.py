@@ -64,6 +64,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from common.arguments import Parser, non_negative_int, positive_float, positive_int
 from common.errors import FAILED_EXIT_STATUS, UsageError, error_summary, run_main
+from common.tools import data_scale
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,7 +76,8 @@ FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "p
           "repeats", "images_per_second_min", "images_per_second_max", "spread_percent", "gflop_per_image",
           "peak_tflops", "mfu_percent", "peak_memory_mib", "measured_steps", "warmup_steps", "sm_clock_mhz",
           "power_w", "temperature_c", "throttle_reasons", "gpu_samples", "device_name", "cpu_threads", "torch",
-          "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note")
+          "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note",
+          "seconds", "list_mib", "worker_copied_mib")  # the last three: the data-scale section's (data_scale)
 
 # (config name, script, extra flags): the entry scripts' configurations of the train section.
 # imagenet_ddp*.py run as one process here; on a GPU imagenet_dp.py is DataParallel over one GPU.
@@ -653,7 +655,7 @@ def summarize(measurements: Sequence[dict]) -> dict:
 
 ROUNDED = {"images_per_second": 2, "images_per_second_per_worker": 2, "ms_per_step": 2, "peak_memory_mib": 2,
            "images_per_second_min": 2, "images_per_second_max": 2, "spread_percent": 2, "gflop_per_image": 3,
-           "mfu_percent": 2}
+           "mfu_percent": 2, "seconds": 2, "list_mib": 2, "worker_copied_mib": 3}
 
 
 def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], settings: Settings) -> dict:
@@ -675,6 +677,17 @@ def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], s
         if isinstance(row[key], float):
             row[key] = round(row[key], digits)
     return row
+
+
+def data_scale_section(cache: Path, classes: int, per_class: int) -> List[dict]:
+    """The data-scale section's rows (common.tools.data_scale), with the machine."""
+    rows = []
+    for measured in data_scale.data_scale_rows(cache, classes, per_class):
+        row = record(**measured)
+        row.update({key: value for key, value in versions().items() if not row.get(key)})
+        rows.append({key: round(value, ROUNDED[key]) if key in ROUNDED and isinstance(value, float) else value
+                     for key, value in row.items()})
+    return rows
 
 
 def emit(row: dict) -> dict:
@@ -951,8 +964,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m common.tools.bench", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--sections", nargs="+", choices=("train", "input", "end-to-end"),
-                        default=["train", "input", "end-to-end"])
+    parser.add_argument("--sections", nargs="+", choices=("train", "input", "end-to-end", "data-scale"),
+                        default=["train", "input", "end-to-end", "data-scale"],
+                        help="data-scale: an ImageNet-sized file list's start-up time and memory (common/tools/"
+                             "data_scale.py), on a tree of hard links built once into --data-cache")
+    parser.add_argument("--data-scale", type=positive_int, nargs=2, default=[1000, 1281],
+                        metavar=("CLASSES", "PER_CLASS"), help="the data-scale section's tree: ImageNet's shape by "
+                                                               "default (1,281,000 training images)")
     parser.add_argument("-a", "--arch", default=None, help="default: resnet18 on the CPU, resnet50 on a GPU")
     parser.add_argument("-b", "--batch-size", type=positive_int, default=None, help="default: 32 CPU, 256 GPU")
     parser.add_argument("--image-size", type=positive_int, default=224)
@@ -1056,13 +1074,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         sections = {"train": lambda: train_section(settings, Path(logdir), args.compile, args.configs, save),
                     "input": lambda: input_section(settings, root, save),
-                    "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save)}
-        for section in ("train", "input", "end-to-end"):
+                    "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save),
+                    "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale)}
+        for section in ("train", "input", "end-to-end", "data-scale"):
             if section in args.sections:
                 rows += sections[section]()
                 write_csv(rows, csv_path)
     print(f"\n{len(rows)} configurations written to {csv_path}", flush=True)
-    for line in ratios(rows):
+    for line in ratios(rows) + data_scale.data_scale_lines(rows):
         print(line, flush=True)
     failed = [row["config"] + (f" ({row['data_backend']})" if row["section"] == "end-to-end" else "")
               for row in rows if "failed in repeat" in str(row["note"])]

@@ -23,6 +23,7 @@ from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main
 from common.tools import bench, plots
 from common.tools.bench import as_number
+from common.tools.data_scale import data_scale_lines
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
@@ -207,13 +208,22 @@ def bench_section(paths: Sequence[str]) -> str:
                 if any(_present(rows, "repeats") for _, rows in tables) else "")]
     for path, rows in tables:
         first = rows[0]
-        columns = _bench_columns(rows)
+        speed = [row for row in rows if row["section"] != "data-scale"]
+        scale = [row for row in rows if row["section"] == "data-scale"]
         parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
-                  f"host `{first['host']}`; {_half_support(first)}.", "",
-                  table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in rows]), ""]
-        parts += [f"- {line}" for line in _bench_notes(rows) + bench.ratios(rows)]
+                  f"host `{first['host']}`; {_half_support(first)}.", ""]
+        if speed:
+            columns = _bench_columns(speed)
+            parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
+                      ""]
+        if scale:  # the data-scale section (common/tools/data_scale.py): its own columns
+            parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
+                            [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
+                              number(as_number(row.get("list_mib")), 1),
+                              number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
+        parts += [f"- {line}" for line in _bench_notes(speed) + bench.ratios(speed) + data_scale_lines(scale)]
     return "\n".join(parts)
 
 
