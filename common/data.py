@@ -522,14 +522,16 @@ def _find_lists(cfg: Config) -> DatasetLists:
         source = f"from --file-list {cfg.file_list}"
     else:
         cache = cache_file(cfg.data)
-        lists = load_cache(cache)
+        lists = load_cache(cache) if cache is not None else None
         if lists is not None:
             source = f"from the cache {cache} (no folder changed since its scan)"
         else:
             lists = scan_dataset(Path(cfg.data))
+            source = "scanned; not cached (no home folder: set XDG_CACHE_HOME)"
             try:
-                save_cache(cache, lists)
-                source = f"scanned, cached in {cache}"
+                if cache is not None:
+                    save_cache(cache, lists)
+                    source = f"scanned, cached in {cache}"
             except OSError as error:
                 source = f"scanned; not cached ({cache}: {error.strerror or error})"
     images = f"{len(lists.train):,} training and {len(lists.val):,} validation images"

@@ -129,14 +129,17 @@ class DatasetLists:
 CACHE_VERSION = 1
 
 
-def cache_file(data: str) -> Path:
+def cache_file(data: str) -> Optional[Path]:
     """Where the scan of the dataset folder `data` is cached: in the user's
     cache folder (XDG_CACHE_HOME, else ~/.cache), one file per dataset (by its
     real path), so every run of the user on that data shares it; not in
-    LOGDIR, whose folders are the runs."""
+    LOGDIR, whose folders are the runs. None without either (no home folder)."""
     real = os.path.realpath(data)
     digest = hashlib.sha1(os.fsencode(real)).hexdigest()[:12]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (RuntimeError, KeyError):  # Path.home() of a user with no home folder, as some containers run
+        return None
     return base / "imagenet-reference" / "file-lists" / f"{os.path.basename(real) or 'root'}-{digest}.npz"
 
 
@@ -210,7 +213,7 @@ def read_text_list(list_path: str, data: str) -> DatasetLists:
                     continue
                 name, _, label = line.rpartition(b" ")
                 split, _, relative = name.partition(b"/")
-                if not name or not label.isdigit() or split.decode(errors="replace") not in SPLITS or not relative:
+                if not label.isdigit() or split.decode(errors="replace") not in SPLITS or b"/" not in relative:
                     raise UsageError(f"{flag}: line {number}: expected 'train/<class>/<file> LABEL' or "
                                      f"'val/<class>/<file> LABEL', got {line[:120]!r}")
                 by_split[split.decode()].append((relative, int(label)))

@@ -457,6 +457,7 @@ def test_the_written_file_list_gives_the_scans_lists_back(tmp_path):
     (["train/class_0/000.JPEG 0", "val/class_0/000.JPEG"], r"line 2: expected 'train/<class>/<file> LABEL'"),
     (["test/class_0/000.JPEG 0"], r"line 1: expected"),
     (["train/class_0/000.JPEG zero"], r"line 1: expected"),
+    (["train/000.JPEG 0"], r"line 1: expected"),  # no class folder
     (["train/class_0/000.JPEG 0", "train/class_1/000.JPEG 2", "val/class_0/000.JPEG 0"],
      r"train's labels must be 0 to K-1, each used; missing 1"),
     (["train/class_0/000.JPEG 0", "train/class_1/000.JPEG 0", "val/class_0/000.JPEG 0"],
