@@ -41,6 +41,7 @@ from common.distributed import Context, broadcast_from_primary, gather_to_primar
 from common.errors import UsageError
 from common.filelist import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
 from common.launch import data_loader_context, data_loader_worker_init
+from common.measure import on_shared_filesystem
 from common.dali import DaliDecoder
 from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
                               TensorImages, choose_jpeg_decoder, stack_images, train_transform, val_transform)
@@ -512,7 +513,27 @@ def dataset_lists(cfg: Config, ctx: Context) -> DatasetLists:
     found, error = broadcast_from_primary((found, error), ctx)
     if error is not None:
         raise UsageError(error)
+    # Rank 0's lists, under this process's DATA: a node may hold its copy elsewhere.
+    found = dataclasses.replace(found, **{split: getattr(found, split).with_prefix(str(Path(cfg.data) / split) + os.sep)
+                                          for split in ("train", "val")})
+    if spans_processes(ctx) and ctx.local_rank == 0 and not ctx.is_primary and not on_shared_filesystem(cfg.data):
+        _check_this_nodes_copy(cfg, found)  # a node-local copy of DATA (staged on local disk) may differ
     return found
+
+
+def _check_this_nodes_copy(cfg: Config, primary: DatasetLists) -> None:
+    """This node's DATA holds what rank 0's lists name: the first process of
+    each other node lists its own copy (not the cache, which is rank 0's) and
+    compares. One listing per node, not per process."""
+    mine = read_text_list(cfg.file_list, cfg.data) if cfg.file_list else scan_dataset(Path(cfg.data))
+    for split in ("train", "val"):
+        ours, theirs = getattr(mine, split), getattr(primary, split)
+        if not ours.same_samples(theirs):
+            shorter = min(len(ours), len(theirs))
+            index = next((index for index in range(shorter) if ours[index] != theirs[index]), shorter)
+            first = (ours if index < len(ours) else theirs)[index][0]
+            raise UsageError(f"DATA {cfg.data}: this node's copy differs from rank 0's ({len(ours):,} {split} images "
+                             f"here, {len(theirs):,} there; the first that differs: {first})")
 
 
 def _find_lists(cfg: Config) -> DatasetLists:

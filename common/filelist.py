@@ -23,6 +23,7 @@ of DALI's file reader) that `python -m common.tools.filelist` writes.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import hashlib
 import operator
@@ -77,6 +78,18 @@ class FileList(Sequence):
 
     def __repr__(self) -> str:
         return f"FileList({len(self)} samples under {self.prefix!r}, {self.nbytes} bytes)"
+
+    def same_samples(self, other: "FileList") -> bool:
+        """Whether `other` holds the same samples after its prefix (DATA's
+        place may differ from node to node), in the same order."""
+        return (np.array_equal(self.path_ends, other.path_ends) and np.array_equal(self.targets, other.targets)
+                and np.array_equal(self.path_bytes, other.path_bytes))
+
+    def with_prefix(self, prefix: str) -> "FileList":
+        """The same samples under another prefix (the arrays are shared, not copied)."""
+        moved = copy.copy(self)
+        moved.prefix = prefix
+        return moved
 
     def arrays(self, name: str) -> Dict[str, np.ndarray]:
         """The list as named arrays (for np.savez); from_arrays reads them back."""

@@ -340,7 +340,19 @@ def read_diskstats(path: str = "/proc/diskstats") -> Dict[str, DiskCounters]:
     return devices
 
 
-def _filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+# File systems that every node of a cluster sees alike (a dataset on one is listed once per job, by rank 0;
+# a node-local copy is checked on each node: common.data.dataset_lists). FUSE mounts count too.
+SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "cifs", "smb3", "glusterfs",
+                      "wekafs", "panfs", "afs", "pvfs2", "orangefs", "9p", "virtiofs")
+
+
+def on_shared_filesystem(path: str) -> bool:
+    """Whether `path` is on a network or cluster file system (by its type in /proc/self/mountinfo)."""
+    fstype = filesystem_type(path)
+    return fstype in SHARED_FILESYSTEMS or fstype.startswith("fuse")
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """The type of the file system holding `path` (the longest mount point above it)."""
     target, best, fstype = os.path.realpath(path), "", "unknown"
     try:
@@ -371,7 +383,7 @@ def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Opti
     for name, counters in devices.items():
         if (counters.major, counters.minor) == (os.major(st_dev), os.minor(st_dev)):
             return name, ""
-    return None, f"no block-device counters for {path} (on a {_filesystem_type(path)} file system)"
+    return None, f"no block-device counters for {path} (on a {filesystem_type(path)} file system)"
 
 
 class IOSampler:

@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -336,19 +337,36 @@ def test_an_error_every_process_meets_is_reported_once(data):
 
 
 @pytest.mark.slow
+def _two_nodes_errors(data, node1_data, tmp_path) -> list:
+    """Node 0 on `data`, node 1 on its own copy: node 1's error lines (it exits 2, node 0 fails too)."""
+    port = free_port()
+    nodes = [start([sys.executable, REPO / "imagenet_ddp.py", dataset, *RUN, "--dist-url", f"tcp://127.0.0.1:{port}",
+                    "--world-size", "2", "--rank", str(node), "--dist-timeout", "20", "--logdir", tmp_path / "runs"])
+             for node, dataset in ((0, data), (1, node1_data))]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert nodes[1].returncode == 2 and nodes[0].returncode != 0, outputs
+    return [line for line in outputs[1].splitlines() if "error:" in line]
+
+
 def test_an_error_on_another_node_is_reported_there(data, tmp_path):
     broken = make_image_folder(tmp_path / "broken")
     for image in (broken / "val" / "class_2").iterdir():
         image.unlink()  # node 1's copy of the dataset lost a class's validation images
-    port = free_port()
-    nodes = [start([sys.executable, REPO / "imagenet_ddp.py", dataset, *RUN, "--dist-url", f"tcp://127.0.0.1:{port}",
-                    "--world-size", "2", "--rank", str(node), "--dist-timeout", "20", "--logdir", tmp_path / "runs"])
-             for node, dataset in ((0, data), (1, broken))]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
-    assert nodes[1].returncode == 2 and nodes[0].returncode != 0
-    errors = [line for line in outputs[1].splitlines() if "error:" in line]
+    errors = _two_nodes_errors(data, broken, tmp_path)
     assert errors == [f"imagenet_ddp.py: error: rank 1: {broken / 'val' / 'class_2'}: class folder has no images "
-                      f"(looked for .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"], outputs[1]
+                      f"(looked for .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"]
+
+
+def test_a_node_whose_copy_of_the_data_differs_from_rank_0s_says_so(data, tmp_path):
+    """Rank 0 alone scans; the first process of every other node checks its own copy of DATA when it is
+    node-local (here: not a network file system), as a copy staged on each node's disk is."""
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    extra = copy / "train" / "class_1" / "zzz.JPEG"
+    shutil.copy(copy / "train" / "class_1" / "000.JPEG", extra)  # node 1's copy has one image more
+    assert _two_nodes_errors(data, copy, tmp_path) == [
+        f"imagenet_ddp.py: error: rank 1: DATA {copy}: this node's copy differs from rank 0's (25 train images here, "
+        f"24 there; the first that differs: {extra})"]
 
 
 # --- no process outlives the job ---
