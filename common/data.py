@@ -503,7 +503,9 @@ def dataset_lists(cfg: Config, ctx: Context) -> DatasetLists:
     reads --file-list, or the cache of an earlier scan while its folders are
     unchanged, or scans DATA (and caches what it found: filelist.cache_file);
     every other process receives the lists from it instead of scanning the
-    shared file system too. A mistake the primary meets is everyone's."""
+    shared file system too. A mistake the primary meets is everyone's. Where
+    DATA is on a node's own disk, the first process of each other node also
+    checks its copy against them (_check_this_nodes_copy)."""
     found, error = None, None
     if ctx.is_primary or not spans_processes(ctx):  # without a process group each finds its own
         try:
