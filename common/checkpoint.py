@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from common import rundir
 from common.config import Config
-from common.distributed import Context, broadcast_from_primary
+from common.distributed import Context, broadcast_from_primary, decided_by_primary
 from common.errors import UsageError, error_summary
 from common.models import unwrap
 from common.rundir import CHECKPOINT_NAME, auto_run_name, kept_checkpoints
@@ -301,26 +301,21 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Tuple[Optional[str], O
     the state the primary loaded to choose it (None elsewhere)."""
     if cfg.resume != "auto":
         return cfg.resume, None
-    choice = error = state = None
-    if ctx.is_primary:
-        try:
-            run_dir = Path(cfg.logdir) / auto_run_name(cfg)
-            path, warnings, state = _newest_loaded(run_dir) if run_dir.is_dir() else (None, [], None)
-            for warning in warnings if path is not None else []:
-                print(f"warning: {warning}; using the previous checkpoint {path}", file=sys.stderr, flush=True)
-            if path is None and warnings:
-                error = (f"argument --resume: no checkpoint in {run_dir} can be read (the last tried: "
-                         f"{warnings[-1]}); move the damaged files away to start from scratch")
-            elif path is None:
-                log.info(f"--resume auto: no checkpoint in {run_dir} yet; starting from scratch")
-            else:
-                choice = str(path)
-        except UsageError as failure:
-            error = str(failure)
-    choice, error = broadcast_from_primary((choice, error), ctx)
-    if error is not None:
-        raise UsageError(error)
-    return choice, state
+    loaded = {}  # the primary's loaded state: kept here, not broadcast
+
+    def choose() -> Optional[str]:
+        run_dir = Path(cfg.logdir) / auto_run_name(cfg)
+        path, warnings, loaded["state"] = _newest_loaded(run_dir) if run_dir.is_dir() else (None, [], None)
+        for warning in warnings if path is not None else []:
+            print(f"warning: {warning}; using the previous checkpoint {path}", file=sys.stderr, flush=True)
+        if path is None and warnings:
+            raise UsageError(f"argument --resume: no checkpoint in {run_dir} can be read (the last tried: "
+                             f"{warnings[-1]}); move the damaged files away to start from scratch")
+        if path is None:
+            log.info(f"--resume auto: no checkpoint in {run_dir} yet; starting from scratch")
+        return None if path is None else str(path)
+
+    return decided_by_primary(choose, ctx), loaded.get("state")
 
 
 # The options that make up the training recipe (not where the data or logs are, nor how processes meet).

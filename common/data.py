@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from common.config import Config
-from common.distributed import Context, broadcast_from_primary, gather_to_primary, spans_processes
+from common.distributed import Context, decided_by_primary, gather_to_primary, spans_processes
 from common.errors import UsageError
-from common.filelist import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
+from common.dataset_lists import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
 from common.launch import data_loader_context, data_loader_worker_init
 from common.measure import on_shared_filesystem
 from common.dali import DaliDecoder
@@ -106,7 +106,7 @@ def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
     run, naming it: silently fewer images would be a different dataset.
     `owners` notes which real folders this class folder reached; `folders`
     gets each folder listed, with its modification time read before listing
-    it (the file-list cache's check: common.filelist.load_cache)."""
+    it (the file-list cache's check: common.dataset_lists.load_cache)."""
     found = []
     pending = [str(class_dir)]
     seen = set()  # real paths: a symlink back up the tree must not loop forever
@@ -501,20 +501,12 @@ def scan_dataset(root: Path) -> DatasetLists:
 def dataset_lists(cfg: Config, ctx: Context) -> DatasetLists:
     """The dataset's classes and samples, found once per job: the primary
     reads --file-list, or the cache of an earlier scan while its folders are
-    unchanged, or scans DATA (and caches what it found: filelist.cache_file);
+    unchanged, or scans DATA (and caches what it found: dataset_lists.cache_file);
     every other process receives the lists from it instead of scanning the
     shared file system too. A mistake the primary meets is everyone's. Where
     DATA is on a node's own disk, the first process of each other node also
     checks its copy against them (_check_this_nodes_copy)."""
-    found, error = None, None
-    if ctx.is_primary or not spans_processes(ctx):  # without a process group each finds its own
-        try:
-            found = _find_lists(cfg)
-        except UsageError as raised:
-            error = str(raised)
-    found, error = broadcast_from_primary((found, error), ctx)
-    if error is not None:
-        raise UsageError(error)
+    found = decided_by_primary(lambda: _find_lists(cfg), ctx)
     # Rank 0's lists, under this process's DATA: a node may hold its copy elsewhere.
     found = dataclasses.replace(found, **{split: getattr(found, split).with_prefix(str(Path(cfg.data) / split) + os.sep)
                                           for split in ("train", "val")})

@@ -11,12 +11,14 @@ as averages of averages.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, List, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from common.errors import UsageError
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,24 @@ def broadcast_from_primary(value, ctx: Context):
         holder = [value]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
+    return value
+
+
+def decided_by_primary(decide: Callable[[], T], ctx: Context) -> T:
+    """What decide() returns on the primary, on every process: one process
+    reads shared state (the checkpoint to resume, a dataset's file lists)
+    and the others take its answer. A UsageError it raises is raised on
+    every process, so none is left waiting. Without a process group every
+    process decides for itself."""
+    value, error = None, None
+    if ctx.is_primary or not spans_processes(ctx):
+        try:
+            value = decide()
+        except UsageError as raised:
+            error = str(raised)
+    value, error = broadcast_from_primary((value, error), ctx)
+    if error is not None:
+        raise UsageError(error)
     return value
 
 

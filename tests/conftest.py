@@ -185,6 +185,6 @@ def running(pid: int) -> bool:
 
 @pytest.fixture(autouse=True, scope="session")
 def _file_list_cache_in_tmp(tmp_path_factory):
-    """The runs' scans are cached in the user's cache folder (common.filelist.cache_file): a
+    """The runs' scans are cached in the user's cache folder (common.dataset_lists.cache_file): a
     temporary one for the tests and the scripts they start, not the tester's."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

@@ -339,12 +339,12 @@ def test_damaged_dataset_marker_is_refused_not_a_traceback(tmp_path):
         write_digits(tmp_path / "digits")
 
 
-# --- the compact file list (common.filelist) ---
+# --- the compact file list (common.dataset_lists) ---
 
 def test_a_file_list_is_a_read_only_sequence_of_its_samples():
     import pickle
 
-    from common.filelist import FileList
+    from common.dataset_lists import FileList
 
     pairs = [("/d/train/b/1.JPEG", 1), ("/d/train/a/é.png", 0), ("/d/train/a/deep/2.jpg", 40000)]
     listed = FileList(pairs, prefix="/d/train/")
@@ -365,7 +365,7 @@ def test_a_file_list_is_a_read_only_sequence_of_its_samples():
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="Linux's per-process memory accounts")
 def test_a_forked_worker_that_reads_every_sample_copies_no_page_of_the_file_list():
-    from common.filelist import FileList
+    from common.dataset_lists import FileList
     from common.measure import bytes_a_forked_reader_copies
 
     pairs = [(f"/datasets/imagenet/train/n{c:08d}/n{c:08d}_{i:05d}.JPEG", c) for c in range(100) for i in range(2000)]

@@ -8,7 +8,7 @@ tree a first start, which scans DATA, and a restart that reads the cached
 scan; on the small one a restart), the file list's
 memory in each process, and what a forked data-loading worker copies of it
 by reading every sample once (an epoch); the last two also for the list of
-(path, class) tuples the samples were held in before common.filelist.
+(path, class) tuples the samples were held in before common.dataset_lists.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from common.arguments import Parser
 from common.data import scan_dataset
 from common.errors import UsageError, run_main
-from common.filelist import write_text_list
+from common.dataset_lists import write_text_list
 from common.rundir import atomic_write
 
 
