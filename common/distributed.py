@@ -35,6 +35,9 @@ class Context:
     # A gloo group for the small host-side decisions (common.preemption): with NCCL they would
     # otherwise need a GPU tensor and a device sync. None: the default group.
     control_group: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)
+    # The launcher's own channel for each epoch's metrics (Ray Train's report, which Ray Tune and the
+    # dashboard read), called by every process with the same figures; None under other launchers.
+    launcher_report: Optional[Callable[[dict], None]] = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_primary(self) -> bool:

@@ -1,11 +1,13 @@
 """How this job was started, and starting it: the one place that reads
 launchers' environment variables.
 
-Six launch styles end up here (Ray comes next): plain `python SCRIPT` (one
-worker spawned per GPU of this machine), one command per node
-(`--dist-url --world-size NODES --rank NODE_RANK`, each node spawning its
-workers), torchrun, torch.distributed.launch, srun with one task per GPU,
-and srun with one task per node (which spawns like the per-node style).
+Seven launch styles end up here: plain `python SCRIPT` (one worker spawned
+per GPU of this machine), one command per node (`--dist-url --world-size
+NODES --rank NODE_RANK`, each node spawning its workers), torchrun,
+torch.distributed.launch, srun with one task per GPU, srun with one task per
+node (which spawns like the per-node style), and Ray Train
+(run_scripts/ray_train.py), whose context gives rank and world size and
+which has joined the process group before the script starts.
 `discover` turns flags and environment into a `Launch` plan; `start` runs
 `train(cfg, ctx)` in this process when a launcher made it one worker, or
 spawns one worker per GPU and watches them. A worker that fails stops its
@@ -53,8 +55,8 @@ WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKIL
 class Launch:
     """How the training processes of a job are started and where they meet."""
 
-    launcher: str  # "spawn", "torchrun", "torch.distributed.launch" or "slurm"
-    init_method: str  # "env://" (the launcher's variables) or "tcp://HOST:PORT" of rank 0
+    launcher: str  # "spawn", "torchrun", "torch.distributed.launch", "slurm" or "ray"
+    init_method: str  # "env://" (the launcher's variables), "tcp://HOST:PORT" of rank 0, or "ray" (joined already)
     world_size: int  # training processes in the job
     nodes: int
     node_rank: int
@@ -113,18 +115,58 @@ def _environment_int(environ: Mapping[str, str], name: str) -> int:
         raise UsageError(f"environment variable {name}={environ[name]!r} is not an integer") from None
 
 
-def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Launch:
-    """How this job is started, from the flags and the environment (the only
-    place that reads it): torchrun and torch.distributed.launch set RANK,
+def ray_train_context():
+    """Ray Train's context (rank, world size, run name) when this process is
+    one of its training workers; None otherwise. Ray is not imported here:
+    a process Ray started has it loaded already."""
+    ray_train = sys.modules.get("ray.train")
+    if ray_train is None:
+        return None
+    try:
+        context = ray_train.get_context()
+        context.get_world_rank()  # outside a training worker this raises
+    except Exception:
+        return None
+    return context
+
+
+def ray_head_address(flag: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The Ray cluster that run_scripts/ray_train.py and ray_tune.py join:
+    --address, else RAY_ADDRESS (Ray's own variable), else None (a new one)."""
+    return flag or environ.get("RAY_ADDRESS") or None
+
+
+def check_launcher_flags(cfg: Config, what_the_launcher_did: str, local_rank_too: bool = False) -> None:
+    """A launcher that starts every process itself (torchrun, Ray) leaves no
+    part to the flags that tell this script how to start them."""
+    flags = [("--world-size", cfg.world_size), ("--rank", cfg.rank), ("--dist-url", cfg.dist_url),
+             ("--nproc-per-node", cfg.nproc_per_node)] + ([("--local-rank", cfg.local_rank)] if local_rank_too else [])
+    for flag, value in flags:
+        if value is not None:
+            raise UsageError(f"argument {flag}: {what_the_launcher_did}; drop {flag} "
+                             f"(it is for starting the script with plain python or srun)")
+
+
+RAY_STARTS_THE_PROCESSES = "Ray Train starts the processes and gives them their ranks"
+
+
+def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int, ray_context=None) -> Launch:
+    """How this job is started, from the flags, the environment and Ray
+    Train's context (the only place that reads them): under Ray Train the
+    context gives the ranks; torchrun and torch.distributed.launch set RANK,
     WORLD_SIZE and LOCAL_RANK; srun sets SLURM_*; otherwise this process
     spawns the workers of its node (--world-size nodes, --rank this node's)."""
     per_node_flags = cfg.world_size is not None or cfg.rank is not None
+    if ray_context is not None:
+        # Ray also sets RANK and WORLD_SIZE, but has joined the process group already: it is adopted.
+        check_launcher_flags(cfg, RAY_STARTS_THE_PROCESSES, local_rank_too=True)
+        world_size, procs_per_node = ray_context.get_world_size(), ray_context.get_local_world_size()
+        return Launch(launcher="ray", init_method="ray", world_size=world_size,
+                      nodes=max(1, -(-world_size // procs_per_node)), node_rank=ray_context.get_node_rank(),
+                      procs_per_node=procs_per_node, rank=ray_context.get_world_rank(),
+                      local_rank=ray_context.get_local_rank())
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        for flag, value in (("--world-size", cfg.world_size), ("--rank", cfg.rank), ("--dist-url", cfg.dist_url),
-                            ("--nproc-per-node", cfg.nproc_per_node)):
-            if value is not None:
-                raise UsageError(f"argument {flag}: the launcher already set RANK, WORLD_SIZE and MASTER_ADDR; "
-                                 f"drop {flag} (it is for starting the script with plain python or srun)")
+        check_launcher_flags(cfg, "the launcher already set RANK, WORLD_SIZE and MASTER_ADDR")
         world_size = _environment_int(environ, "WORLD_SIZE")
         local_rank = _environment_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else cfg.local_rank
         if local_rank is None:
@@ -390,6 +432,24 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.procs_per_node))
     backend = cfg.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    if launch.launcher == "ray":
+        # Ray Train joined the group before calling the script (its TorchConfig: the backend and
+        # timeout run_scripts/ray_train.py chose from these flags); it is used, not joined again.
+        backend = dist.get_backend()
+    else:
+        _join(cfg, launch, rank, backend, timeout)
+    control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
+                   launcher=launch.launcher, control_group=control_group,
+                   launcher_report=_report_to_ray if launch.launcher == "ray" else None)
+
+
+def _report_to_ray(metrics: dict) -> None:
+    # Every worker reports (Ray Train waits for all of them); Ray keeps rank 0's figures.
+    sys.modules["ray.train"].report(metrics)
+
+
+def _join(cfg: Config, launch: Launch, rank: int, backend: str, timeout: datetime.timedelta) -> None:
     with _stderr_held_back() as (replay, held):
         try:
             if launch.agent_store is not None:
@@ -406,9 +466,6 @@ def _join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int)
         except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
             raise RendezvousError(_join_failure(cfg, launch, error, held())) from None
         replay()
-    control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-    return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
-                   launcher=launch.launcher, control_group=control_group)
 
 
 # What a collective raises when a peer process has gone (gloo, NCCL): the peer's own output says why.
@@ -439,7 +496,8 @@ def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: L
                   flush=True)
         sys.exit(PEER_LOST_EXIT_STATUS)
     finally:
-        dist.destroy_process_group()
+        if launch.launcher != "ray":  # Ray Train leaves the group it joined
+            dist.destroy_process_group()
 
 
 def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
@@ -482,10 +540,13 @@ def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     return environ.get("SLURM_JOB_ID") or None
 
 
-def restart_name(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+def restart_name(environ: Mapping[str, str] = os.environ, ray_context=None) -> Optional[str]:
     """A name for this job that stays the same when it starts again (requeued
-    by Slurm, restarted by torchrun): slurm-<job>[_<array task>] or
-    torchrun-<run id>; None when the launcher gives none."""
+    by Slurm, restarted by torchrun or by Ray Train after a failure):
+    slurm-<job>[_<array task>], torchrun-<run id> or ray-<Ray Train run>;
+    None when the launcher gives none."""
+    if ray_context is not None:  # run_scripts/ray_train.py names each of its runs afresh
+        return f"ray-{ray_context.get_experiment_name()}"
     if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
         return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
     job_id = slurm_job_id(environ)
@@ -617,7 +678,7 @@ def start(train: Callable[[Config, Context], None], cfg: Config) -> None:
     when a launcher started this process as one worker; otherwise in one
     spawned worker per GPU (or per --nproc-per-node on the CPU)."""
     gpus_visible = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    plan = discover(cfg, os.environ, gpus_visible)
+    plan = discover(cfg, os.environ, gpus_visible, ray_train_context())
     _check_before_start(cfg, plan, gpus_visible)
     if not plan.spawns:
         _run_worker(train, cfg, plan, plan.local_rank)

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from typing import Dict, Mapping, Optional
 
@@ -60,6 +61,15 @@ class Decision:
     signal_name: Optional[str] = None  # a stop signal a process received (the preempt signal, if any did)
 
 
+def _handles_signals() -> bool:
+    """Whether this thread can install signal handlers: Python allows it only
+    in the main thread, and Ray Train calls the training function in another.
+    There a stop comes as Ray's own (a drained node, a killed worker), which
+    the checkpoints and Ray's restarts (--max-failures) handle; the periodic
+    checkpoints (--checkpoint-every) still work."""
+    return threading.current_thread() is threading.main_thread()
+
+
 class StopControl:
     """Signal flags, and the decision shared by all processes at each step.
     Use as a context manager around training: the handlers are installed
@@ -85,6 +95,8 @@ class StopControl:
     # --- signals ---
 
     def __enter__(self) -> "StopControl":
+        if not _handles_signals():
+            return self
         for signum in {self.preempt_signal, signal.SIGTERM}:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         return self
@@ -98,6 +110,8 @@ class StopControl:
     def ignore_signals(self) -> None:
         """From a stop decision to the exit: the stop is under way, and more
         signals (Slurm's SIGTERM after `scontrol requeue`) must not cut it short."""
+        if not _handles_signals():
+            return
         for signum in {self.preempt_signal, signal.SIGTERM}:
             signal.signal(signum, signal.SIG_IGN)
 

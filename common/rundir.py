@@ -40,7 +40,7 @@ from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO, Tuple
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
 from common.errors import UsageError, error_summary
-from common.launch import restart_name
+from common.launch import ray_train_context, restart_name
 
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
@@ -235,10 +235,10 @@ def format_bytes(count: Optional[int]) -> str:
 
 def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
     """The run directory's name for --resume auto: one that is the same when
-    the job starts again (requeued by Slurm, restarted by torchrun)."""
+    the job starts again (requeued by Slurm, restarted by torchrun or Ray)."""
     if cfg.run_name is not None:
         return cfg.run_name
-    name = restart_name(environ)
+    name = restart_name(environ, ray_train_context())
     if name is None:
         raise UsageError("argument --resume: auto needs a run directory that stays the same when the job starts "
                          "again: pass --run-name NAME (under Slurm the job id names it)")

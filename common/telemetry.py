@@ -57,6 +57,20 @@ _SCALARS = {
             "Data/bad_images_val": "bad_images"},
 }
 BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
+# What each epoch reports to a launcher that asks (Ray Train, and through it Ray Tune's --metric): the
+# epoch, the best validation top-1 so far, and each split's TensorBoard figures as <split>_<field>.
+REPORTED_METRICS = ["epoch", "best_val_top1", "train_images"] + [
+    f"{split}_{field}" for split, scalars in _SCALARS.items() for field in scalars.values()]
+
+
+def epoch_report(train: EpochMetrics, val: EpochMetrics, best_acc1: float) -> dict:
+    """The figures of REPORTED_METRICS that this epoch has (fp16's loss scale only under fp16)."""
+    report = {"epoch": val.epoch, "best_val_top1": best_acc1, "train_images": train.images}
+    for metrics in (train, val):
+        for field in _SCALARS[metrics.split].values():
+            if getattr(metrics, field) is not None:
+                report[f"{metrics.split}_{field}"] = getattr(metrics, field)
+    return report
 _NO_MORE_EVENTS = "its later events are dropped (its writer cannot go on after a failed write)"
 
 
@@ -473,6 +487,8 @@ class RunLog:
         self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
                   f"macro-F1 {val.macro_f1:.2f}%  | {val.images} images in {val.seconds:.1f} s  "
                   f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})" + self._run_end(train, val))
+        if self.ctx.launcher_report is not None:  # every process, with the same figures
+            self.ctx.launcher_report(epoch_report(train, val, best_acc1))
 
     def _run_end(self, train: EpochMetrics, val: EpochMetrics) -> str:
         """`  | run ends ~ 14:32 (2h05m left)` after epoch `val.epoch`, from

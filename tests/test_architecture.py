@@ -16,8 +16,9 @@ COMMON = REPO / "common"
 MAX_CLASS_LINES = 150
 # The bottom layer: what every module may import, and which imports no other module of common/ than these.
 BOTTOM = {"common.errors", "common.config", "common.arguments", "common.hardware"}
-# Only the entry scripts and the tools import the command line.
-CLI_IMPORTERS = {"common.tools.bench"}
+# Only the entry scripts and the tools import the command line; and the Ray launchers' driver, which checks
+# the training command with the script's own parser before Ray starts.
+CLI_IMPORTERS = {"common.tools.bench", "common.ray_cluster"}
 
 
 def module_name(path: Path) -> str:
@@ -134,7 +135,7 @@ def test_old_tool_paths_are_the_new_modules():
 
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "SLURM_", "TORCHELASTIC_", "OMP_NUM_THREADS")
+                      "MASTER_PORT", "SLURM_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RAY_ADDRESS")
 
 
 def test_launcher_environment_variables_are_read_only_in_launch():

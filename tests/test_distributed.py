@@ -202,3 +202,50 @@ def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
     assert gpu_of_its_own("slurm", gpus_visible=1, local_rank=7)  # srun --gpus-per-task=1
     assert not gpu_of_its_own("slurm", gpus_visible=2, local_rank=2)
     assert gpu_of_its_own("spawn", gpus_visible=0, local_rank=5)  # the CPU
+
+
+class FakeRayTrainContext:
+    """What common.launch reads of Ray Train's context (ray.train.get_context()) in a worker."""
+
+    def __init__(self, rank, local_rank, world_size, local_world_size, node_rank, name="imagenet-Nov26-1"):
+        self.values = (rank, local_rank, world_size, local_world_size, node_rank, name)
+
+    def get_world_rank(self): return self.values[0]
+    def get_local_rank(self): return self.values[1]
+    def get_world_size(self): return self.values[2]
+    def get_local_world_size(self): return self.values[3]
+    def get_node_rank(self): return self.values[4]
+    def get_experiment_name(self): return self.values[5]
+
+
+def test_ray_train_gives_the_ranks_and_its_group_is_adopted_not_joined():
+    # Ray also sets RANK, WORLD_SIZE and MASTER_ADDR: its context, not torchrun's reading, decides.
+    env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}
+    launch = discover(ddp_config(), env, gpus_visible=0, ray_context=FakeRayTrainContext(5, 1, 6, 4, 1))
+    assert (launch.launcher, launch.init_method, launch.rank, launch.local_rank, launch.world_size) == \
+        ("ray", "ray", 5, 1, 6)
+    assert (launch.nodes, launch.node_rank, launch.procs_per_node, launch.spawns) == (2, 1, 4, False)
+
+
+@pytest.mark.parametrize("flags", [("--nproc-per-node", "2"), ("--world-size", "2", "--rank", "0"),
+                                   ("--dist-url", "tcp://h:1"), ("--local-rank", "0")])
+def test_flags_that_start_processes_are_refused_under_ray(flags):
+    with pytest.raises(UsageError, match=f"argument {flags[0]}: Ray Train starts the processes"):
+        discover(ddp_config(*flags), {}, gpus_visible=0, ray_context=FakeRayTrainContext(0, 0, 2, 2, 0))
+
+
+def test_a_ray_train_run_restarts_in_the_run_directory_of_its_name():
+    from common.launch import restart_name
+
+    slurm = {"SLURM_JOB_ID": "77"}  # Ray on a Slurm allocation: Ray's run is the job that restarts
+    assert restart_name(slurm, FakeRayTrainContext(0, 0, 2, 2, 0, "imagenet-Nov26_03-00-01-42")) == \
+        "ray-imagenet-Nov26_03-00-01-42"
+    assert restart_name(slurm) == "slurm-77"
+
+
+def test_the_ray_head_is_the_flag_then_ray_address_then_a_new_cluster():
+    from common.launch import ray_head_address
+
+    assert ray_head_address("h:6379", {"RAY_ADDRESS": "other:1"}) == "h:6379"
+    assert ray_head_address(None, {"RAY_ADDRESS": "other:1"}) == "other:1"
+    assert ray_head_address(None, {"RAY_ADDRESS": ""}) is None and ray_head_address(None, {}) is None

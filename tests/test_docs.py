@@ -100,7 +100,8 @@ def script_parser(path: str):
         from common import cli
 
         return cli.build_parser(SCRIPTS[path])
-    if path in ("run_scripts/launch_nodes.py", "tests/slurm_cluster.py"):
+    if path in ("run_scripts/launch_nodes.py", "tests/slurm_cluster.py", "run_scripts/ray_train.py",
+                "run_scripts/ray_tune.py"):
         spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
         module = importlib.util.module_from_spec(spec)
         sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there

@@ -215,3 +215,28 @@ def test_data_loading_workers_outlive_stop_signals_from_others_but_not_their_tra
         os.kill(worker.pid, signal.SIGTERM)
         worker.join(timeout=10)
         assert worker.exitcode == 0
+
+
+def test_off_the_main_thread_no_handler_is_installed_and_periodic_checkpoints_still_come():
+    # Ray Train calls the training function in a thread of its own, where signal.signal raises.
+    import threading
+
+    ctx = distributed.single_process("cpu")
+    before = signal.getsignal(signal.SIGTERM)
+    seen = {}
+
+    def train():
+        try:
+            with StopControl(ctx, "SIGUSR1", checkpoint_every_steps=2) as control:
+                seen["handler"] = signal.getsignal(signal.SIGTERM)
+                seen["checkpoints"] = [step for step in range(7) if control.step(step).checkpoint]
+                control.ignore_signals()
+        except Exception as error:  # noqa: BLE001 - the thread's failure is the test's
+            seen["error"] = error
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    thread.join()
+    assert "error" not in seen, seen.get("error")
+    assert seen["handler"] == before == signal.getsignal(signal.SIGTERM)
+    assert seen["checkpoints"] == [2, 4, 6]  # every 2 completed steps, as in the main thread

@@ -410,3 +410,32 @@ def test_seed_generators_leaves_the_cpu_generator_as_torch_manual_seed_does():
     assert torch.equal(ours, torch.get_rng_state())
     engine.seed_generators(99, [torch.device("cpu")])
     assert not torch.equal(ours, torch.get_rng_state())
+
+
+# --- a launcher's own channel for each epoch's figures (Ray Train's report) ---
+
+def _epoch(split: str, **figures) -> "telemetry.EpochMetrics":
+    base = dict(epoch=2, split=split, loss=1.5, top1=40.0, top5=90.0, images=100, steps=10, seconds=5.0,
+                images_per_second=20.0, seconds_per_step=0.5, data_wait_fraction=0.1, lr=None, wall_time=0.0,
+                peak_memory_mib=100.0, macro_f1=None)
+    return telemetry.EpochMetrics(**{**base, **figures})
+
+
+def test_every_process_hands_the_launcher_each_epochs_figures_under_the_names_tune_ranks_by(tmp_path):
+    reported = []
+    for rank in (0, 1):  # only rank 0 writes files, but Ray Train waits for every process's report
+        ctx = distributed.Context(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
+                                  launcher_report=reported.append)
+        log = telemetry.RunLog(ctx)
+        log.run_dir = None
+        train = _epoch("train", lr=0.1, loss_scale=None, images_per_second_per_gpu=10.0)
+        val = _epoch("val", top1=55.0, macro_f1=50.0)
+        report = ClassReport(np.array([1, 1]), np.array([2, 2]), np.array([2, 2]))
+        log.epoch_end(train, val, report, ["a", "b"], best_acc1=60.0, best_epoch=1)
+    assert len(reported) == 2 and reported[0] == reported[1]
+    figures = reported[0]
+    assert set(figures) <= set(telemetry.REPORTED_METRICS)
+    assert (figures["epoch"], figures["best_val_top1"], figures["train_images"]) == (2, 60.0, 100)
+    assert (figures["val_top1"], figures["train_top1"], figures["train_lr"], figures["val_macro_f1"]) == \
+        (55.0, 40.0, 0.1, 50.0)
+    assert "train_loss_scale" not in figures and "val_lr" not in telemetry.REPORTED_METRICS  # none, not None

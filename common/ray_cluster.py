@@ -1,0 +1,371 @@
+"""Ray: an entry script's own training run by Ray Train on a Ray cluster
+(run_scripts/ray_train.py), or many of them searched by Ray Tune
+(run_scripts/ray_tune.py). The driver's side lives here: reading the
+launcher's own flags, connecting to a cluster or starting one on this
+machine (and stopping it again), and the `TorchTrainer` whose workers run
+the script's `main` unchanged. In each worker common.launch finds Ray
+Train's context and adopts the process group Ray has joined; the run
+directory, checkpoints and `--resume auto` are the project's own.
+
+Ray is optional (requirements-ray.txt): it is imported only here, when a
+Ray launcher runs, and a missing package is one line saying what to install.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import logging
+import math
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from common import cli, launch
+from common.arguments import positive_float
+from common.config import Config
+from common.errors import PEER_LOST_EXIT_STATUS, UsageError, error_summary
+
+RAY_REQUIREMENTS = "requirements-ray.txt"
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = {"imagenet_ddp.py": "ddp", "imagenet_ddp_apex.py": "ddp_apex"}  # the scripts with a process group
+ADDRESS_CHECK_SECONDS = 5.0
+# Ray prints its own progress and warnings by the line: its loggers in the workers and the controller
+# say only errors, so the console reads as under torchrun (Ray's log files keep everything).
+RAY_LOG_LEVEL = "ERROR"
+
+LOST_A_PEER = "lost the connection to another worker, which failed first"
+
+WorkerCount = Union[int, Tuple[int, int]]
+
+
+# Read by Ray when it is imported (the driver) or starts a process (the workers):
+RAY_ENVIRONMENT = {
+    # Each of the script's progress lines differs from the last only in numbers: Ray's deduplication of
+    # similar lines would fold them into "[repeated 2x across cluster]".
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_COLOR_PREFIX": "0",  # no colour codes in log files
+    # Ray's own loggers in every process of the job say errors only: its controller's lines on each
+    # resource request and worker-group start would outnumber the script's. failure_notes says what
+    # matters (a failed worker, a restart); Ray's log files keep everything.
+    "RAY_LOGGER_LEVEL": "error",
+}
+# ... and by each worker: Ray Train turns print() into log records, which reach the console a second time.
+WORKER_ENVIRONMENT = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+
+
+def import_ray():
+    """The ray module with Train and Tune, or one line saying what to install."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        import ray
+        import ray.train  # noqa: F401
+        import ray.train.torch  # noqa: F401
+        import ray.tune  # noqa: F401
+    except ImportError as error:
+        raise UsageError(f"Ray is not installed ({error_summary(error)}): pip install -r {RAY_REQUIREMENTS}") from None
+    return ray
+
+
+def worker_count(text: str) -> WorkerCount:
+    """--num-workers: N, or MIN-MAX for Ray's elastic range."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if not match:
+        raise UsageError(f"argument --num-workers: expected N or MIN-MAX (e.g. 4 or 2-8), got {text!r}")
+    low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+    if low < 1:
+        raise UsageError(f"argument --num-workers: at least 1 worker, got {text!r}")
+    if high < low:
+        raise UsageError(f"argument --num-workers: MIN-MAX needs MIN <= MAX, got {text!r}")
+    return low if match.group(2) is None else (low, high)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptRun:
+    """The training command after `--`: an entry script with a process group and its flags."""
+
+    path: Path
+    mode: str
+    argv: Tuple[str, ...]
+    cfg: Config
+
+    def command(self, extra: Sequence[str] = ()) -> List[str]:
+        return [self.path.name, *self.argv, *extra]
+
+    def with_flags(self, extra: Sequence[str]) -> "ScriptRun":
+        argv = tuple(self.argv) + tuple(extra)
+        return ScriptRun(self.path, self.mode, argv, cli.parse(self.mode, list(argv)))
+
+
+def script_run(words: Sequence[str]) -> ScriptRun:
+    """Check the command after `--` here, before Ray starts: the script, its
+    flags (the script's own parser), and no flag that a launcher sets."""
+    if not words:
+        raise UsageError("expected the training command after `--`, e.g. -- imagenet_ddp.py -a resnet50 DATA")
+    script = Path(words[0])
+    if script.name not in SCRIPTS:
+        raise UsageError(f"the command after `--` must start with {' or '.join(SCRIPTS)} (the scripts with a "
+                         f"process group), got {words[0]!r}")
+    path = script if script.is_file() else REPO / script.name
+    if not path.is_file():
+        raise UsageError(f"no such script: {words[0]}")
+    cfg = cli.parse(SCRIPTS[script.name], list(words[1:]))
+    launch.check_launcher_flags(cfg, launch.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
+    return ScriptRun(path.resolve(), SCRIPTS[script.name], tuple(words[1:]), cfg)
+
+
+def check_address(address: str) -> None:
+    """An unreachable --address is one line now, not Ray's minutes of retries."""
+    if address in ("auto", "local"):
+        return
+    match = re.fullmatch(r"(?:ray://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)", address)
+    if not match:
+        raise UsageError(f"argument --address: expected HOST:PORT of the Ray head (or ray://HOST:PORT, auto), "
+                         f"got {address!r}")
+    host, port = match.group(1).strip("[]"), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=ADDRESS_CHECK_SECONDS).close()
+    except OSError as error:
+        raise UsageError(f"argument --address: cannot reach the Ray head at {host}:{port} "
+                         f"({error.strerror or error}); is `ray start --head` running there?") from None
+
+
+class Cluster:
+    """Connected to a Ray cluster for the `with` block: the one at `address`
+    (or RAY_ADDRESS), else a new one on this machine sized to it, stopped at
+    the end with every process it started."""
+
+    def __init__(self, address: Optional[str], environ=os.environ):
+        self.address = launch.ray_head_address(address, environ)
+        if self.address:
+            check_address(self.address)  # before Ray is imported: nothing has started
+        self.ray = import_ray()
+
+    def __enter__(self) -> "Cluster":
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        environment = {**RAY_ENVIRONMENT, **WORKER_ENVIRONMENT, "PYTHONPATH": pythonpath}
+        try:
+            self.ray.init(address=self.address, logging_level=logging.ERROR,
+                          log_to_driver=True, runtime_env={"env_vars": environment})
+        except ConnectionError as error:
+            raise UsageError(f"argument --address: no Ray cluster at {self.address} ({error_summary(error)})") from None
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.ray.shutdown()  # a cluster this process started stops with it; one it joined goes on
+
+    @property
+    def started_here(self) -> bool:
+        return not self.address
+
+    def resources(self) -> Dict[str, float]:
+        return self.ray.cluster_resources()
+
+    def where(self) -> str:
+        have = self.resources()
+        size = f"{have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs"
+        return f"a new Ray cluster on this machine ({size})" if self.started_here else \
+            f"the Ray cluster at {self.address} ({size})"
+
+
+def describe(count: WorkerCount) -> str:
+    return f"{count} worker(s)" if isinstance(count, int) else f"{count[0]} to {count[1]} workers (elastic)"
+
+
+def trainer(run: ScriptRun, num_workers: WorkerCount, use_gpu: bool, max_failures: int, cpus_per_worker: float,
+            name: str, storage: Path, callbacks: Sequence = (), launcher: str = "ray_train.py"):
+    """Ray Train's TorchTrainer for `run`: each worker calls the script's
+    main() with its flags (train_loop), in the driver's working directory."""
+    import_ray()
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    cfg = run.cfg
+    torch_config = TorchConfig(backend=cfg.dist_backend or ("nccl" if use_gpu else "gloo"),
+                               timeout_s=int(cfg.dist_timeout))
+    return TorchTrainer(
+        train_loop, train_loop_config={"script": str(run.path), "mode": run.mode, "argv": list(run.argv),
+                                       "cwd": os.getcwd()},
+        torch_config=torch_config,
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+        run_config=RunConfig(name=name, storage_path=str(storage), failure_config=FailureConfig(max_failures),
+                             callbacks=[failure_notes(launcher, max_failures), *callbacks],
+                             logging_config=LoggingConfig(log_level=RAY_LOG_LEVEL)))
+
+
+def run_name(prefix: str = "imagenet") -> str:
+    """A Ray run name of its own for each launch: Ray restores the state of an
+    earlier run with the same name and storage, which a new run must not
+    inherit (--resume auto continues within this launch, across its restarts)."""
+    return f"{prefix}-{datetime.datetime.now().strftime('%b%d_%H-%M-%S')}-{os.getpid()}"
+
+
+def check_resources(cluster: Cluster, num_workers: WorkerCount, use_gpu: bool, cpus_per_worker: float,
+                    started_here: bool) -> None:
+    """On a cluster this launcher started, a request it can never meet is an
+    error now (an autoscaling cluster may grow: there Ray waits)."""
+    have = cluster.resources()
+    fewest = num_workers if isinstance(num_workers, int) else num_workers[0]
+    if use_gpu and have.get("GPU", 0) < 1:
+        raise UsageError("argument --use-gpu: the Ray cluster has no GPU")
+    if not started_here:
+        return
+    kind, per_worker = ("GPU", 1.0) if use_gpu else ("CPU", cpus_per_worker)
+    if have.get(kind, 0) < fewest * per_worker:
+        raise UsageError(f"argument --num-workers: {fewest} workers need {fewest * per_worker:g} {kind}s and this "
+                         f"machine's Ray cluster has {have.get(kind, 0):g}")
+
+
+def is_training_failure(error: BaseException) -> bool:
+    """Whether `error` is Ray Train giving up on the run (its workers failed
+    more often than --max-failures allows), not a fault of this driver."""
+    from ray.train import TrainingFailedError
+    return isinstance(error, TrainingFailedError)
+
+
+def usage_error_in(error: BaseException) -> Optional[str]:
+    """The one line of a UsageError that a worker met (ScriptUsageError), if that is why the run failed."""
+    match = re.search(rf"{ScriptUsageError.__name__}: (.*)", str(error))
+    return match.group(1).strip() if match else None
+
+
+def failed_workers(worker_errors: Dict[int, BaseException]) -> str:
+    """The failed workers' ranks and why, those that only lost a peer last: the others say what happened."""
+    found = [(rank, error_summary(error)) for rank, error in worker_errors.items()]
+    found.sort(key=lambda pair: (LOST_A_PEER in pair[1], pair[0]))
+    return "; ".join(f"worker rank {rank}: {why}" for rank, why in found)
+
+
+def failure_line(error: BaseException) -> str:
+    """One line for a training run that Ray gave up on."""
+    failures = getattr(error, "worker_failures", None)
+    return f"training failed ({failed_workers(failures) if failures else error_summary(error)})"
+
+
+def failure_notes(launcher: str, max_failures: int):
+    """A Ray Train callback (run by its controller, whose output reaches this
+    console) that says which worker failed and whether Ray starts the group
+    again: Ray's own loggers say errors only (RAY_ENVIRONMENT)."""
+    from ray.train import UserCallback
+
+    class FailureNotes(UserCallback):
+        def __init__(self):
+            self.failures = 0
+
+        def after_exception(self, run_context, worker_exceptions) -> None:
+            self.failures += 1
+            what = failed_workers(worker_exceptions)
+            then = (f"Ray starts the worker group again ({self.failures} of --max-failures {max_failures})"
+                    if self.failures <= max_failures else "no restart left (--max-failures)")
+            print(f"{launcher}: {what}; {then}", flush=True)
+
+    return FailureNotes()
+
+
+def tune_trial(run: ScriptRun, workers: int, use_gpu: bool, cpus_per_worker: float, search_name: str, storage: Path):
+    """Ray Tune's trial function: one Ray Train run of `run` with the
+    trial's flags, in a run directory of its own (<search>-<trial id>), its
+    epochs' reports passed on to Tune."""
+    def trial(config: dict) -> None:
+        from ray import tune
+        from ray.tune.integration.ray_train import TuneReportCallback
+        name = f"{search_name}-{tune.get_context().get_trial_id()}"
+        trainer(run.with_flags(trial_flags(config, name)), workers, use_gpu, 0, cpus_per_worker, name, storage,
+                callbacks=[TuneReportCallback()], launcher="ray_tune.py").fit()
+    return trial
+
+
+def trial_flags(config: dict, run_name: Optional[str] = None) -> List[str]:
+    """A trial's flags for the script: --FLAG VALUE for each searched flag (and its --run-name)."""
+    flags = [word for flag, value in sorted(config.items()) for word in (f"--{flag}", str(value))]
+    return flags + (["--run-name", run_name] if run_name else [])
+
+
+def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: str, workers: int):
+    """One row per trial (pandas): its flags, how it ended, its last and best
+    --metric, its run directory and the command that runs it again; `best`
+    marks the best trial."""
+    import pandas as pd
+    rows = []
+    for result in results:
+        history = result.metrics_dataframe if result.metrics_dataframe is not None else pd.DataFrame()
+        values = history[metric].dropna() if metric in history else pd.Series(dtype=float)
+        trial_id = Path(result.path).name  # ray_tune.py names each trial's folder by its id
+        epochs = len(values)
+        if result.error is not None:
+            ended = f"failed: {error_summary(result.error)}"
+        else:
+            ended = "finished" if epochs >= run.cfg.epochs else "stopped early"
+        command = ["python", "run_scripts/ray_train.py", "--num-workers", str(workers), "--", *run.command(
+            trial_flags(result.config))]
+        rows.append({"trial": trial_id, **{f"--{flag}": value for flag, value in sorted(result.config.items())},
+                     "ended": ended, "epochs": epochs,
+                     f"last_{metric}": values.iloc[-1] if epochs else math.nan,
+                     f"best_{metric}": (values.max() if mode == "max" else values.min()) if epochs else math.nan,
+                     "run_dir": str(Path(run.cfg.logdir).resolve() / f"{search_name}-{trial_id}"),
+                     "command": " ".join(shlex.quote(word) for word in command)})
+    table = pd.DataFrame(rows)
+    scores = table[f"best_{metric}"] if rows else pd.Series(dtype=float)
+    table["best"] = False
+    if rows and scores.notna().any():
+        table.loc[scores.idxmax() if mode == "max" else scores.idxmin(), "best"] = True
+    return table
+
+
+# --- the launchers' command lines ---
+
+def add_cluster_flags(parser) -> None:
+    """The flags ray_train.py and ray_tune.py share."""
+    parser.add_argument("--address", metavar="HOST:PORT",
+                        help="the Ray cluster's head (or auto); default RAY_ADDRESS, else a new cluster on this "
+                             "machine, stopped at the end")
+    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker (NCCL)")
+    parser.add_argument("--cpus-per-worker", type=positive_float, default=1.0, metavar="C",
+                        help="CPUs Ray reserves for each worker: its data-loading processes use them (default 1)")
+    parser.add_argument("--storage", metavar="DIR", default=str(Path.home() / "ray_results"),
+                        help="where Ray keeps its own record of each run (default ~/ray_results); the run "
+                             "directories stay under the script's --logdir")
+
+
+def split_command(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(the launcher's flags, the training command after `--`, which
+    script_run requires; without `--`, --help still answers)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+# --- in each Ray Train worker ---
+
+class ScriptUsageError(Exception):
+    """A UsageError in a worker (its one line), carried to the driver."""
+
+
+def train_loop(config: dict) -> None:
+    """Ray Train's training function: the entry script's main() with its
+    flags, in the driver's working directory (Ray starts workers elsewhere),
+    where common.launch finds Ray's context and joins no group of its own."""
+    if os.path.isdir(config["cwd"]):
+        os.chdir(config["cwd"])
+    # Ray Train sets the root logger to INFO (Python's default is WARNING), and logs each report there.
+    logging.getLogger().setLevel(logging.WARNING)
+    sys.argv = [config["script"], *config["argv"]]  # error lines start with the script's name
+    spec = importlib.util.spec_from_file_location(f"imagenet_{config['mode']}", config["script"])
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    try:
+        script.main(config["argv"])
+    except UsageError as error:  # one line, not a traceback, on the driver's console
+        raise ScriptUsageError(str(error)) from None
+    except SystemExit as stop:  # a stop the script says itself (a NaN loss: exit 3); Ray sees a failure
+        if stop.code == PEER_LOST_EXIT_STATUS:
+            raise RuntimeError(LOST_A_PEER) from None
+        if stop.code not in (None, 0):
+            raise RuntimeError(f"the training script exited with status {stop.code}") from None
