@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shlex
 import socket
 import sys
@@ -28,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from common import cli, launch
 from common.arguments import positive_float
 from common.config import Config
-from common.errors import PEER_LOST_EXIT_STATUS, UsageError, error_summary
+from common.errors import FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary
 
 RAY_REQUIREMENTS = "requirements-ray.txt"
 REPO = Path(__file__).resolve().parent.parent
@@ -99,7 +100,9 @@ class ScriptRun:
 
     def with_flags(self, extra: Sequence[str]) -> "ScriptRun":
         argv = tuple(self.argv) + tuple(extra)
-        return ScriptRun(self.path, self.mode, argv, cli.parse(self.mode, list(argv)))
+        cfg = cli.parse(self.mode, list(argv))
+        launch.check_launcher_flags(cfg, launch.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
+        return ScriptRun(self.path, self.mode, argv, cfg)
 
 
 def script_run(words: Sequence[str]) -> ScriptRun:
@@ -119,19 +122,49 @@ def script_run(words: Sequence[str]) -> ScriptRun:
     return ScriptRun(path.resolve(), SCRIPTS[script.name], tuple(words[1:]), cfg)
 
 
-def check_address(address: str) -> None:
-    """An unreachable --address is one line now, not Ray's minutes of retries."""
+def on_devices(run: ScriptRun, use_gpu: bool) -> ScriptRun:
+    """The training command as Ray places it: with --use-gpu each worker has
+    one GPU of its own (NCCL); without, the CPU, even where the machine has
+    GPUs that Ray gave no worker (--device auto would take them)."""
+    cfg = run.cfg
+    if use_gpu and cfg.device == "cpu":
+        raise UsageError("argument --use-gpu: the training command says --device cpu; drop one of them")
+    if not use_gpu and cfg.device == "cuda":
+        raise UsageError("argument --device: cuda needs the launcher's --use-gpu (Ray gives a worker a GPU only then)")
+    if not use_gpu and cfg.dist_backend == "nccl":
+        raise UsageError("argument --dist-backend: nccl needs the launcher's --use-gpu")
+    return run if use_gpu or cfg.device == "cpu" else run.with_flags(["--device", "cpu"])
+
+
+def check_restarts(run: ScriptRun, max_failures: int, count: WorkerCount) -> None:
+    """A worker group Ray starts again runs the command again: only --resume
+    auto makes it continue the run (another would start over, or stop at its
+    --run-name's existing directory)."""
+    if run.cfg.resume == "auto":
+        return
+    if max_failures > 0:
+        raise UsageError(f"argument --max-failures: Ray restarts the training command after a failure, which "
+                         f"continues only with --resume auto in it; add --resume auto after `--`")
+    if not isinstance(count, int):
+        raise UsageError("argument --num-workers: an elastic run restarts the training command at each resize, "
+                         "which continues only with --resume auto in it; add --resume auto after `--`")
+
+
+RAY_CLIENT_PORT = 10001  # ray://HOST without a port: Ray Client's default
+
+
+def check_address(address: str, source: str = "argument --address") -> None:
+    """An unreachable --address (or RAY_ADDRESS) is one line now, not Ray's minutes of retries."""
     if address in ("auto", "local"):
         return
-    match = re.fullmatch(r"(?:ray://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)", address)
-    if not match:
-        raise UsageError(f"argument --address: expected HOST:PORT of the Ray head (or ray://HOST:PORT, auto), "
-                         f"got {address!r}")
-    host, port = match.group(1).strip("[]"), int(match.group(2))
+    match = re.fullmatch(r"(ray://)?(\[[^\]]+\]|[^:/\[\]]+)(?::(\d+))?", address)
+    if not match or not (match.group(3) or match.group(1)):
+        raise UsageError(f"{source}: expected HOST:PORT of the Ray head (or ray://HOST[:PORT], auto), got {address!r}")
+    host, port = match.group(2).strip("[]"), int(match.group(3) or RAY_CLIENT_PORT)
     try:
         socket.create_connection((host, port), timeout=ADDRESS_CHECK_SECONDS).close()
     except OSError as error:
-        raise UsageError(f"argument --address: cannot reach the Ray head at {host}:{port} "
+        raise UsageError(f"{source}: cannot reach the Ray head at {host}:{port} "
                          f"({error.strerror or error}); is `ray start --head` running there?") from None
 
 
@@ -142,18 +175,23 @@ class Cluster:
 
     def __init__(self, address: Optional[str], environ=os.environ):
         self.address = launch.ray_head_address(address, environ)
+        self.source = "argument --address" if address else "environment variable RAY_ADDRESS"
         if self.address:
-            check_address(self.address)  # before Ray is imported: nothing has started
+            check_address(self.address, self.source)  # before Ray is imported: nothing has started
         self.ray = import_ray()
 
     def __enter__(self) -> "Cluster":
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         environment = {**RAY_ENVIRONMENT, **WORKER_ENVIRONMENT, "PYTHONPATH": pythonpath}
         try:
-            self.ray.init(address=self.address, logging_level=logging.ERROR,
+            # "local": a new cluster, even where one already runs on this machine (None would join that one).
+            self.ray.init(address=self.address or "local", logging_level=logging.ERROR,
                           log_to_driver=True, runtime_env={"env_vars": environment})
-        except ConnectionError as error:
-            raise UsageError(f"argument --address: no Ray cluster at {self.address} ({error_summary(error)})") from None
+        except Exception as error:  # ConnectionError, AuthenticationError (no token), RuntimeError: one story
+            where = f"join the Ray cluster at {self.address}" if self.address else "start a Ray cluster here"
+            hint = "; set RAY_AUTH_TOKEN to its token" if "token" in str(error).lower() else ""
+            raise UsageError(f"{self.source if self.address else 'ray'}: could not {where} "
+                             f"({error_summary(error)}){hint}") from None
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -161,7 +199,7 @@ class Cluster:
 
     @property
     def started_here(self) -> bool:
-        return not self.address
+        return self.address in (None, "local")
 
     def resources(self) -> Dict[str, float]:
         return self.ray.cluster_resources()
@@ -178,18 +216,20 @@ def describe(count: WorkerCount) -> str:
 
 
 def trainer(run: ScriptRun, num_workers: WorkerCount, use_gpu: bool, max_failures: int, cpus_per_worker: float,
-            name: str, storage: Path, callbacks: Sequence = (), launcher: str = "ray_train.py"):
+            name: str, storage: Path, callbacks: Sequence = (), launcher: str = "ray_train.py",
+            cwd: Optional[str] = None):
     """Ray Train's TorchTrainer for `run`: each worker calls the script's
-    main() with its flags (train_loop), in the driver's working directory."""
+    main() with its flags (train_loop), in the launcher's working directory
+    `cwd` (default: this process's), where its relative paths point."""
     import_ray()
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     cfg = run.cfg
     torch_config = TorchConfig(backend=cfg.dist_backend or ("nccl" if use_gpu else "gloo"),
-                               timeout_s=int(cfg.dist_timeout))
+                               timeout_s=math.ceil(cfg.dist_timeout))
     return TorchTrainer(
         train_loop, train_loop_config={"script": str(run.path), "mode": run.mode, "argv": list(run.argv),
-                                       "cwd": os.getcwd()},
+                                       "cwd": cwd or os.getcwd()},
         torch_config=torch_config,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
@@ -202,49 +242,81 @@ def run_name(prefix: str = "imagenet") -> str:
     """A Ray run name of its own for each launch: Ray restores the state of an
     earlier run with the same name and storage, which a new run must not
     inherit (--resume auto continues within this launch, across its restarts)."""
-    return f"{prefix}-{datetime.datetime.now().strftime('%b%d_%H-%M-%S')}-{os.getpid()}"
+    host = socket.gethostname().split(".")[0]
+    return f"{prefix}-{datetime.datetime.now().strftime('%b%d_%H-%M-%S')}-{host}-{secrets.token_hex(2)}"
 
 
 def check_resources(cluster: Cluster, num_workers: WorkerCount, use_gpu: bool, cpus_per_worker: float,
-                    started_here: bool) -> None:
+                    flag: str = "--num-workers", extra_cpus: float = 0.0) -> None:
     """On a cluster this launcher started, a request it can never meet is an
-    error now (an autoscaling cluster may grow: there Ray waits)."""
+    error now, where Ray would wait for ever (an autoscaling cluster may grow:
+    there Ray waits). `extra_cpus`: what else the run holds (a Tune trial's own)."""
     have = cluster.resources()
     fewest = num_workers if isinstance(num_workers, int) else num_workers[0]
     if use_gpu and have.get("GPU", 0) < 1:
         raise UsageError("argument --use-gpu: the Ray cluster has no GPU")
-    if not started_here:
+    if not cluster.started_here:
         return
-    kind, per_worker = ("GPU", 1.0) if use_gpu else ("CPU", cpus_per_worker)
-    if have.get(kind, 0) < fewest * per_worker:
-        raise UsageError(f"argument --num-workers: {fewest} workers need {fewest * per_worker:g} {kind}s and this "
-                         f"machine's Ray cluster has {have.get(kind, 0):g}")
+    need = {"CPU": fewest * cpus_per_worker + extra_cpus, "GPU": float(fewest) if use_gpu else 0.0}
+    for kind, amount in need.items():
+        if have.get(kind, 0) < amount:
+            raise UsageError(f"argument {flag}: {fewest} worker(s) need {amount:g} {kind}s and this machine's Ray "
+                             f"cluster has {have.get(kind, 0):g}")
+
+
+def runs_at_once(cluster: Cluster, workers: int, use_gpu: bool, cpus_per_worker: float, extra_cpus: float) -> int:
+    """How many runs of `workers` workers the cluster holds at the same time (at least 1)."""
+    have = cluster.resources()
+    fits = have.get("CPU", 0) // (workers * cpus_per_worker + extra_cpus)
+    if use_gpu:
+        fits = min(fits, have.get("GPU", 0) // workers)
+    return max(1, int(fits))
 
 
 def is_training_failure(error: BaseException) -> bool:
     """Whether `error` is Ray Train giving up on the run (its workers failed
     more often than --max-failures allows), not a fault of this driver."""
     from ray.train import TrainingFailedError
-    return isinstance(error, TrainingFailedError)
+    return isinstance(error, TrainingFailedError) or isinstance(getattr(error, "cause", None), TrainingFailedError)
 
 
-def usage_error_in(error: BaseException) -> Optional[str]:
-    """The one line of a UsageError that a worker met (ScriptUsageError), if that is why the run failed."""
-    match = re.search(rf"{ScriptUsageError.__name__}: (.*)", str(error))
-    return match.group(1).strip() if match else None
+def _worker_failures(error: BaseException) -> Dict[int, BaseException]:
+    """Rank -> exception of a run Ray Train gave up on (Tune hands it over wrapped)."""
+    return getattr(error, "worker_failures", None) or getattr(getattr(error, "cause", None), "worker_failures",
+                                                                 None) or {}
+
+
+def _script_said(failure: BaseException) -> Tuple[Optional[int], str]:
+    """(exit status, line) of a worker's failure that the script itself
+    reported (a UsageError: 2; a NaN loss: 3; ...), else (None, its summary)."""
+    if isinstance(failure, ScriptUsageError):  # also when Ray hands it over wrapped (a subclass of both)
+        return USAGE_EXIT_STATUS, error_summary(failure)
+    status = re.search(r"the training script exited with status (\d+)", str(failure))
+    if isinstance(failure, ScriptExit) and status:
+        return int(status.group(1)), status.group(0)
+    return None, error_summary(failure)
 
 
 def failed_workers(worker_errors: Dict[int, BaseException]) -> str:
     """The failed workers' ranks and why, those that only lost a peer last: the others say what happened."""
-    found = [(rank, error_summary(error)) for rank, error in worker_errors.items()]
+    found = [(rank, _script_said(error)[1]) for rank, error in worker_errors.items()]
     found.sort(key=lambda pair: (LOST_A_PEER in pair[1], pair[0]))
     return "; ".join(f"worker rank {rank}: {why}" for rank, why in found)
 
 
-def failure_line(error: BaseException) -> str:
-    """One line for a training run that Ray gave up on."""
-    failures = getattr(error, "worker_failures", None)
-    return f"training failed ({failed_workers(failures) if failures else error_summary(error)})"
+def how_it_ended(error: BaseException) -> Tuple[int, str]:
+    """(exit status, one line) for a run Ray gave up on: a UsageError a
+    worker met is that line and status 2; a status the script chose (3 for a
+    NaN loss, 74 for a checkpoint it could not write) is kept; otherwise 1
+    and the failed workers."""
+    failures = _worker_failures(error)
+    for rank, failure in sorted(failures.items(), key=lambda pair: LOST_A_PEER in str(pair[1])):
+        status, line = _script_said(failure)
+        if status == USAGE_EXIT_STATUS:
+            return status, line
+        if status is not None and status != PEER_LOST_EXIT_STATUS:
+            return status, f"training failed ({failed_workers(failures)})"
+    return FAILED_EXIT_STATUS, f"training failed ({failed_workers(failures) if failures else error_summary(error)})"
 
 
 def failure_notes(launcher: str, max_failures: int):
@@ -258,8 +330,13 @@ def failure_notes(launcher: str, max_failures: int):
             self.failures = 0
 
         def after_exception(self, run_context, worker_exceptions) -> None:
-            self.failures += 1
             what = failed_workers(worker_exceptions)
+            if any(_preempted(error) for error in worker_exceptions.values()):
+                # Ray counts these apart (FailureConfig.max_preemption_failures, unlimited by default).
+                print(f"{launcher}: {what}; a preempted node: Ray starts the worker group again (preemptions do "
+                      f"not count against --max-failures)", flush=True)
+                return
+            self.failures += 1
             then = (f"Ray starts the worker group again ({self.failures} of --max-failures {max_failures})"
                     if self.failures <= max_failures else "no restart left (--max-failures)")
             print(f"{launcher}: {what}; {then}", flush=True)
@@ -267,16 +344,29 @@ def failure_notes(launcher: str, max_failures: int):
     return FailureNotes()
 
 
+def _preempted(error: BaseException) -> bool:
+    """Whether Ray says a worker died because its node was preempted (its
+    private helper; False where a Ray version lacks it)."""
+    try:
+        from ray.train.v2._internal.execution.worker_group.poll import _is_preempted_actor
+        return bool(_is_preempted_actor(error))
+    except Exception:  # noqa: BLE001 - an internal of Ray's that may move
+        return False
+
+
 def tune_trial(run: ScriptRun, workers: int, use_gpu: bool, cpus_per_worker: float, search_name: str, storage: Path):
     """Ray Tune's trial function: one Ray Train run of `run` with the
     trial's flags, in a run directory of its own (<search>-<trial id>), its
-    epochs' reports passed on to Tune."""
+    epochs' reports passed on to Tune. Its workers run where ray_tune.py was
+    started (Tune moves each trial into a folder of its own)."""
+    launched_in, storage = os.getcwd(), storage.resolve()
+
     def trial(config: dict) -> None:
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
         name = f"{search_name}-{tune.get_context().get_trial_id()}"
         trainer(run.with_flags(trial_flags(config, name)), workers, use_gpu, 0, cpus_per_worker, name, storage,
-                callbacks=[TuneReportCallback()], launcher="ray_tune.py").fit()
+                callbacks=[TuneReportCallback()], launcher="ray_tune.py", cwd=launched_in).fit()
     return trial
 
 
@@ -286,10 +376,12 @@ def trial_flags(config: dict, run_name: Optional[str] = None) -> List[str]:
     return flags + (["--run-name", run_name] if run_name else [])
 
 
-def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: str, workers: int):
-    """One row per trial (pandas): its flags, how it ended, its last and best
-    --metric, its run directory and the command that runs it again; `best`
-    marks the best trial."""
+def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: str, launcher_flags: Sequence[str]):
+    """One row per trial (pandas): its flags, how it ended (and its exit
+    status, as ray_train.py would end: 0 unless it failed), its last and
+    best --metric, its run directory and the command that runs it again
+    (ray_train.py with `launcher_flags`); `best` marks the best trial that
+    did not fail."""
     import pandas as pd
     rows = []
     for result in results:
@@ -297,22 +389,26 @@ def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: s
         values = history[metric].dropna() if metric in history else pd.Series(dtype=float)
         trial_id = Path(result.path).name  # ray_tune.py names each trial's folder by its id
         epochs = len(values)
+        trial_cfg = run.with_flags(trial_flags(result.config)).cfg  # --epochs may be searched
+        reached = trial_cfg.desired_acc is not None and "val_top1" in history and \
+            history["val_top1"].max() >= trial_cfg.desired_acc
+        status, ended = how_it_ended(result.error) if result.error is not None else (0, None)
         if result.error is not None:
-            ended = f"failed: {error_summary(result.error)}"
+            ended = f"failed: {ended}"
         else:
-            ended = "finished" if epochs >= run.cfg.epochs else "stopped early"
-        command = ["python", "run_scripts/ray_train.py", "--num-workers", str(workers), "--", *run.command(
+            ended = "finished" if epochs >= trial_cfg.epochs or reached else "stopped early"
+        command = ["python", "run_scripts/ray_train.py", *launcher_flags, "--", *run.command(
             trial_flags(result.config))]
         rows.append({"trial": trial_id, **{f"--{flag}": value for flag, value in sorted(result.config.items())},
-                     "ended": ended, "epochs": epochs,
+                     "ended": ended, "exit_status": status, "epochs": epochs,
                      f"last_{metric}": values.iloc[-1] if epochs else math.nan,
                      f"best_{metric}": (values.max() if mode == "max" else values.min()) if epochs else math.nan,
                      "run_dir": str(Path(run.cfg.logdir).resolve() / f"{search_name}-{trial_id}"),
                      "command": " ".join(shlex.quote(word) for word in command)})
     table = pd.DataFrame(rows)
-    scores = table[f"best_{metric}"] if rows else pd.Series(dtype=float)
     table["best"] = False
-    if rows and scores.notna().any():
+    scores = table[f"best_{metric}"].where(~table["ended"].str.startswith("failed")) if rows else pd.Series(dtype=float)
+    if scores.notna().any():
         table.loc[scores.idxmax() if mode == "max" else scores.idxmin(), "best"] = True
     return table
 
@@ -348,6 +444,10 @@ class ScriptUsageError(Exception):
     """A UsageError in a worker (its one line), carried to the driver."""
 
 
+class ScriptExit(RuntimeError):
+    """The script's own exit status in a worker (a NaN loss: 3), carried to the driver."""
+
+
 def train_loop(config: dict) -> None:
     """Ray Train's training function: the entry script's main() with its
     flags, in the driver's working directory (Ray starts workers elsewhere),
@@ -368,4 +468,4 @@ def train_loop(config: dict) -> None:
         if stop.code == PEER_LOST_EXIT_STATUS:
             raise RuntimeError(LOST_A_PEER) from None
         if stop.code not in (None, 0):
-            raise RuntimeError(f"the training script exited with status {stop.code}") from None
+            raise ScriptExit(f"the training script exited with status {stop.code}") from None

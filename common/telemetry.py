@@ -61,6 +61,10 @@ BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
 # epoch, the best validation top-1 so far, and each split's TensorBoard figures as <split>_<field>.
 REPORTED_METRICS = ["epoch", "best_val_top1", "train_images"] + [
     f"{split}_{field}" for split, scalars in _SCALARS.items() for field in scalars.values()]
+# Those every epoch of every run has (fp16's loss scale, for one, is only under fp16): what Tune may rank by.
+_ALWAYS = {"loss", "top1", "top5", "images_per_second", "seconds_per_step", "data_wait_fraction"}
+RANKABLE_METRICS = ["epoch", "best_val_top1", "train_images", "train_lr", "val_macro_f1"] + [
+    f"{split}_{field}" for split, scalars in _SCALARS.items() for field in scalars.values() if field in _ALWAYS]
 
 
 def epoch_report(train: EpochMetrics, val: EpochMetrics, best_acc1: float) -> dict:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from common import ray_cluster  # noqa: E402
 from common.arguments import Parser, positive_int  # noqa: E402
-from common.errors import FAILED_EXIT_STATUS, UsageError, run_main  # noqa: E402
-from common.telemetry import REPORTED_METRICS  # noqa: E402
+from common.errors import USAGE_EXIT_STATUS, UsageError, run_main  # noqa: E402
+from common.telemetry import RANKABLE_METRICS  # noqa: E402
 
 TRIAL_CPUS = 0.01
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
@@ -71,6 +71,8 @@ def parse_search(specs: List[str], run: ray_cluster.ScriptRun) -> List[Tuple[str
                              f"(e.g. lr=loguniform:0.05:1.0), got {spec!r}")
         if flag in [other for other, _, _ in found]:
             raise UsageError(f"argument --search: --{flag} is searched twice")
+        if flag == "run-name":
+            raise UsageError("argument --search: --run-name is each trial's own (<search>-<trial>)")
         if kind in ("choice", "grid"):
             values = [value.strip() for value in args.split(",")]
             checked = values
@@ -114,9 +116,9 @@ def default_mode(metric: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     ours, command = ray_cluster.split_command(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(ours)
-    if args.metric not in REPORTED_METRICS:
-        raise UsageError(f"argument --metric: the runs report {', '.join(REPORTED_METRICS)}; got {args.metric!r}")
-    run = ray_cluster.script_run(command)
+    if args.metric not in RANKABLE_METRICS:
+        raise UsageError(f"argument --metric: every run reports {', '.join(RANKABLE_METRICS)}; got {args.metric!r}")
+    run = ray_cluster.on_devices(ray_cluster.script_run(command), args.use_gpu)
     if run.cfg.run_name is not None:
         raise UsageError("argument --run-name: each trial gets its own run directory (<search>-<trial>); drop it")
     searched = parse_search(args.search, run)
@@ -124,25 +126,39 @@ def main(argv: Optional[List[str]] = None) -> None:
     with ray_cluster.Cluster(args.address) as cluster:
         space = search_space(searched)
         ray_cluster.check_resources(cluster, args.workers_per_trial, args.use_gpu, args.cpus_per_worker,
-                                    cluster.started_here)
+                                    flag="--workers-per-trial", extra_cpus=TRIAL_CPUS)
+        at_once = args.max_concurrent_trials or ray_cluster.runs_at_once(
+            cluster, args.workers_per_trial, args.use_gpu, args.cpus_per_worker, TRIAL_CPUS)
         name = ray_cluster.run_name("tune")
         out = Path(args.out) if args.out else Path(run.cfg.logdir) / f"{name}.trials.csv"
         print(f"ray_tune.py: search {name}: {args.num_samples} sample(s) of {', '.join(args.search)}, "
-              f"{args.workers_per_trial} worker(s) per trial, {args.scheduler} on {args.metric} ({mode}), "
-              f"on {cluster.where()}", flush=True)
-        results = search(args, run, space, name, mode)
-        table = ray_cluster.trials_table(results, run, name, args.metric, mode, args.workers_per_trial)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out, index=False)
-        print(table.drop(columns=["command"]).to_string(index=False), flush=True)
-        print(f"ray_tune.py: trials table: {out}")
-        best = table[table["best"]]
-        if best.empty:
-            print(f"ray_tune.py: error: no trial reported {args.metric}", file=sys.stderr)
-            sys.exit(FAILED_EXIT_STATUS)
-        row = best.iloc[0]
-        print(f"ray_tune.py: best trial {row['trial']}: {args.metric} {row['best_' + args.metric]:.4g} "
-              f"(run directory {row['run_dir']}); to run it again:\n  {row['command']}", flush=True)
+              f"{args.workers_per_trial} worker(s) per trial, {at_once} trial(s) at once, {args.scheduler} on "
+              f"{args.metric} ({mode}), on {cluster.where()}", flush=True)
+        results = search(args, run, searched, space, name, mode, at_once)
+        table = ray_cluster.trials_table(results, run, name, args.metric, mode, rerun_flags(args, cluster))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out, index=False)
+    print(table.drop(columns=["command"]).to_string(index=False), flush=True)
+    print(f"ray_tune.py: trials table: {out}")
+    failed = table[table["exit_status"] != 0]
+    if len(failed) == len(table):  # nothing to rank: the first trial's failure says why
+        first = failed.iloc[0]
+        line = first["ended"].removeprefix("failed: ")
+        if (failed["exit_status"] == USAGE_EXIT_STATUS).all() and (failed["ended"] == first["ended"]).all():
+            raise UsageError(line)  # the script's own one line, which every trial met
+        print(f"ray_tune.py: error: every trial failed (trial {first['trial']}: {line})", file=sys.stderr)
+        sys.exit(int(first["exit_status"]))
+    row = table[table["best"]].iloc[0]
+    print(f"ray_tune.py: best trial {row['trial']}: {args.metric} {row['best_' + args.metric]:.4g} "
+          f"(run directory {row['run_dir']}); to run it again:\n  {row['command']}", flush=True)
+
+
+def rerun_flags(args, cluster: ray_cluster.Cluster) -> List[str]:
+    """ray_train.py's flags that run one trial again as it ran."""
+    flags = ["--num-workers", str(args.workers_per_trial)]
+    flags += ["--use-gpu"] if args.use_gpu else []
+    flags += ["--cpus-per-worker", f"{args.cpus_per_worker:g}"] if args.cpus_per_worker != 1 else []
+    return flags + (["--address", cluster.address] if not cluster.started_here else [])
 
 
 def trial_folder(trial) -> str:
@@ -150,10 +166,12 @@ def trial_folder(trial) -> str:
     return trial.trial_id
 
 
-def search(args, run: ray_cluster.ScriptRun, space: dict, name: str, mode: str):
+def search(args, run: ray_cluster.ScriptRun, searched, space: dict, name: str, mode: str, at_once: int):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-    epochs = run.cfg.epochs
+    # ASHA's last rung: the most epochs a trial can run (--epochs itself may be searched).
+    epochs = max([run.cfg.epochs] + [int(value) for flag, kind, values in searched if flag == "epochs"
+                                     for value in (values if kind in ("choice", "grid") else values[1:])])
     scheduler = (ASHAScheduler(time_attr="training_iteration", max_t=epochs, grace_period=min(args.grace_epochs, epochs),
                                reduction_factor=args.reduction_factor)
                  if args.scheduler == "asha" else FIFOScheduler())
@@ -164,7 +182,7 @@ def search(args, run: ray_cluster.ScriptRun, space: dict, name: str, mode: str):
     tuner = tune.Tuner(tune.with_resources(trial, {"cpu": TRIAL_CPUS}), param_space=space,
                        tune_config=tune.TuneConfig(metric=args.metric, mode=mode, num_samples=args.num_samples,
                                                    scheduler=scheduler,
-                                                   max_concurrent_trials=args.max_concurrent_trials,
+                                                   max_concurrent_trials=at_once,
                                                    trial_dirname_creator=trial_folder),
                        run_config=tune.RunConfig(name=name, storage_path=str(Path(args.storage).resolve()),
                                                  verbose=0))

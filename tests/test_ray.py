@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from common.errors import UsageError
 from conftest import REPO, free_port, make_image_folder, run_command
 from test_ddp import ENV, MODEL, assert_one_line_error, max_abs_diff, metrics, single_run_dir, weights
 
@@ -124,8 +125,9 @@ def spawned_reference(data, tmp_path_factory):
 @pytest.mark.slow
 def test_a_two_worker_ray_train_run_equals_the_spawned_ddp_run(data, tmp_path, ray_env, spawned_reference):
     before = ray_processes()
+    # With a data-loading process per worker (the reference has none): forked from Ray's training thread.
     result = run_command([sys.executable, RAY_TRAIN, "--num-workers", "2", "--storage", tmp_path / "ray", "--",
-                          "imagenet_ddp.py", data, *RUN, "--logdir", tmp_path / "runs"], env_extra=ray_env)
+                          "imagenet_ddp.py", data, *RUN, "-j", "1", "--logdir", tmp_path / "runs"], env_extra=ray_env)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = single_run_dir(tmp_path / "runs")
     assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6
@@ -164,7 +166,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     # Without a restart left, the run ends with the failure, naming the killed worker, and nothing stays.
     log = tmp_path / "failed.log"
     process = start([RAY_TRAIN, "--num-workers", "2", "--max-failures", "0", "--storage", tmp_path / "ray", "--",
-                     "imagenet_ddp.py", data, *RUN, "--logdir", tmp_path / "failed"], ray_env, log)
+                     "imagenet_ddp.py", data, *RUN, "--epochs", "1", "--logdir", tmp_path / "failed"], ray_env, log)
     rank0 = int(wait_for(log, r"\(RayTrainWorker pid=(\d+)\) train epoch 0 \[ ?2/18\]", process).group(1))
     kill_a_worker_other_than(rank0)
     assert process.wait(timeout=300) == 1, log.read_text()
@@ -174,17 +176,35 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     assert_none_left(before)
 
 
+@needs_ray
+@pytest.mark.slow
+def test_a_mistake_the_workers_meet_is_the_scripts_one_line_and_exit_2(tmp_path, ray_env):
+    # An empty class folder: found when the data is scanned, in the workers, after Ray has started.
+    data = make_image_folder(tmp_path / "data")
+    (data / "train" / "class_9").mkdir()
+    before = ray_processes()
+    result = run_command([sys.executable, RAY_TRAIN, "--num-workers", "2", "--storage", tmp_path / "ray", "--",
+                          "imagenet_ddp.py", data, *RUN, "--logdir", tmp_path / "runs"], env_extra=ray_env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ray_train.py: error: {data / 'train' / 'class_9'}: class folder has no images")
+    assert result.stderr.count("ray_train.py: error:") == 1  # the script's own line, once
+    assert_none_left(before)
+
+
 # --- elastic: a node lost, the run finishes on fewer workers ---
 
 @needs_ray
 @pytest.mark.slow
 def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_image_once(data, tmp_path,
-                                                                                          ray_env):
+                                                                                          ray_env, monkeypatch):
     from ray.cluster_utils import Cluster
 
-    os.environ.update({key: value for key, value in ray_env.items() if key.startswith("RAY_AUTH")})
+    for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):  # the cluster started in this process too
+        monkeypatch.setenv(key, ray_env[key])
     # After the loss Ray first waits for MAX workers, 60 s by default, before it starts fewer.
     env = {**ray_env, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+    before = ray_processes()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
         worker_node = cluster.add_node(num_cpus=1)
@@ -209,6 +229,7 @@ def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_
     logged = [(row["epoch"], row["split"], row["images"]) for row in rows(run_dir)]
     assert logged == [(str(epoch), split, images) for epoch in range(3) for split, images in
                       (("train", "144"), ("val", "9"))]  # every image of each epoch once, however many workers
+    assert_none_left(before)
 
 
 # --- Tune: one run directory per trial, ASHA stops the lagging one ---
@@ -306,15 +327,44 @@ WRONG = [
     (RAY_TUNE, ["--search", "no-such-flag=choice:1,2"], "unrecognized arguments: --no-such-flag"),
     (RAY_TUNE, ["--search", "epochs=choice:1,x"], "argument --epochs"),
     (RAY_TUNE, ["--search", "lr=choice:0.1", "--metric", "val_accuracy"],
-     "argument --metric: the runs report epoch, best_val_top1"),
+     "argument --metric: every run reports epoch, best_val_top1"),
+    (RAY_TUNE, ["--search", "lr=choice:0.1", "--metric", "train_loss_scale"], "argument --metric"),  # fp16 only
+    (RAY_TUNE, ["--search", "run-name=choice:a,b"], "--run-name is each trial's own"),
+    (RAY_TUNE, ["--search", "nproc-per-node=choice:1,2"], "argument --nproc-per-node: Ray Train starts the"),
 ]
 
 
+def launcher_main(script: Path):
+    """The main() of run_scripts/ray_train.py or ray_tune.py, loaded as test_docs loads them."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines functions only: its main() runs under __main__
+    return module.main
+
+
+@pytest.fixture
+def ray_untouched(monkeypatch):
+    """Ray must not even be imported: the input is checked before anything starts."""
+    from common import ray_cluster
+
+    def import_ray():
+        raise AssertionError("Ray was imported before the input was checked")
+
+    monkeypatch.setattr(ray_cluster, "import_ray", import_ray)
+
+
 @pytest.mark.parametrize("script, flags, fragment", WRONG, ids=[" ".join(flags) for _, flags, _ in WRONG])
-def test_wrong_launcher_input_is_one_line_before_ray_starts(script, flags, fragment, tiny_data, ray_stand_in):
+def test_wrong_launcher_input_is_one_line_before_ray_starts(script, flags, fragment, tiny_data, ray_untouched):
+    with pytest.raises(UsageError, match=re.escape(fragment)) as raised:
+        launcher_main(script)([*flags, "--", "imagenet_ddp.py", str(tiny_data)])
+    assert "\n" not in str(raised.value)
+
+
+def test_wrong_launcher_input_from_the_command_line_is_one_line_and_exit_2(tiny_data, ray_stand_in):
     env, marker = ray_stand_in
-    result = run_command([sys.executable, script, *flags, "--", "imagenet_ddp.py", tiny_data], env_extra=env)
-    assert_one_line_error(result, fragment)
+    result = run_command([sys.executable, RAY_TUNE, "--search", "lr=normal:0:1", "--", "imagenet_ddp.py", tiny_data],
+                         env_extra=env)
+    assert_one_line_error(result, "argument --search: expected FLAG=KIND:ARGS")
     assert not marker.exists()  # Ray was not even imported: nothing started
 
 
@@ -329,13 +379,90 @@ def test_an_unreachable_address_is_one_line_before_ray_starts(script, tiny_data,
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("command, fragment", [
-    (["imagenet_nd.py"], "must start with imagenet_ddp.py or imagenet_ddp_apex.py"),
-    (["imagenet_ddp.py", "--nproc-per-node", "2"], "argument --nproc-per-node: Ray Train starts the processes"),
-    (["imagenet_ddp.py", "--epochs", "0"], "argument --epochs"),
+@pytest.mark.parametrize("flags, command, fragment", [
+    ([], ["imagenet_nd.py"], "must start with imagenet_ddp.py or imagenet_ddp_apex.py"),
+    ([], ["imagenet_ddp.py", "--nproc-per-node", "2"], "argument --nproc-per-node: Ray Train starts the processes"),
+    ([], ["imagenet_ddp.py", "--epochs", "0"], "argument --epochs"),
+    ([], ["imagenet_ddp.py", "--device", "cuda"], "argument --device: cuda needs the launcher's --use-gpu"),
+    (["--use-gpu"], ["imagenet_ddp.py", "--device", "cpu"], "argument --use-gpu: the training command says"),
+    # A restarted group runs the command again: without --resume auto it would start over.
+    (["--max-failures", "1"], ["imagenet_ddp.py"], "argument --max-failures: Ray restarts the training command"),
+    (["--num-workers", "1-2"], ["imagenet_ddp.py"], "argument --num-workers: an elastic run restarts"),
 ])
-def test_a_training_command_ray_cannot_run_is_one_line(command, fragment, tiny_data, ray_stand_in):
+def test_a_training_command_ray_cannot_run_is_one_line(flags, command, fragment, tiny_data, ray_untouched):
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        launcher_main(RAY_TRAIN)([*flags, "--", *command, str(tiny_data)])
+
+
+def test_an_unreachable_ray_address_variable_is_named_and_ray_client_has_its_default_port(tiny_data, ray_stand_in):
     env, marker = ray_stand_in
-    result = run_command([sys.executable, RAY_TRAIN, "--", *command, tiny_data], env_extra=env)
-    assert_one_line_error(result, fragment)
+    result = run_command([sys.executable, RAY_TRAIN, "--", "imagenet_ddp.py", tiny_data],
+                         env_extra={**env, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"})
+    assert_one_line_error(result, "environment variable RAY_ADDRESS: cannot reach the Ray head at 127.0.0.1:")
+    from common import ray_cluster
+
+    with pytest.raises(UsageError, match=r"argument --address: cannot reach the Ray head at 127\.0\.0\.1:10001"):
+        ray_cluster.check_address("ray://127.0.0.1")  # nothing listens on Ray Client's port here
+    with pytest.raises(UsageError, match=r"argument --address: cannot reach the Ray head at ::1:"):
+        ray_cluster.check_address(f"[::1]:{free_port()}")
+    with pytest.raises(UsageError, match="argument --address: expected HOST:PORT"):
+        ray_cluster.check_address("head-node")
     assert not marker.exists()
+
+
+def test_worker_counts():
+    from common.ray_cluster import worker_count
+
+    assert (worker_count("4"), worker_count(" 2 - 8 "), worker_count("1-1")) == (4, (2, 8), (1, 1))
+    for text in ("0", "0-2", "3-2", "", "2-", "-2", "x"):
+        with pytest.raises(UsageError, match="argument --num-workers"):
+            worker_count(text)
+
+
+# --- the table of trials and the exit status of a failed run, from stand-ins for Ray's results ---
+
+class TrialResult:
+    """What trials_table reads of a Tune result."""
+
+    def __init__(self, trial_id, config, val_top1, error=None):
+        self.path, self.config, self.error = f"/storage/search/{trial_id}", config, error
+        self.metrics_dataframe = pd.DataFrame({"val_top1": val_top1}) if val_top1 else None
+
+
+class RunFailed(Exception):
+    """Ray Train's TrainingFailedError, as far as the table reads it: the workers' exceptions by rank."""
+
+    def __init__(self, worker_failures):
+        super().__init__("Training failed due to worker errors:")
+        self.worker_failures = worker_failures
+
+
+def test_the_trials_table_says_how_each_trial_ended_and_never_names_a_failed_one_best(tiny_data, tmp_path):
+    from common import ray_cluster
+
+    run = ray_cluster.script_run(["imagenet_ddp.py", str(tiny_data), "--epochs", "3", "--logdir", str(tmp_path)])
+    lost = RuntimeError(ray_cluster.LOST_A_PEER)
+    results = [
+        TrialResult("t0", {"lr": 0.1}, [20.0, 35.0, 30.0]),
+        TrialResult("t1", {"lr": 0.4}, [50.0]),  # ASHA stopped it after 1 of 3 epochs
+        TrialResult("t2", {"lr": 9.0}, [90.0, 95.0], RunFailed({0: lost, 1: ray_cluster.ScriptExit(
+            "the training script exited with status 3")})),  # reported well, then a NaN loss
+        TrialResult("t3", {"lr": 1.0}, None, RunFailed({1: ray_cluster.ScriptUsageError("argument --lr: bad")})),
+    ]
+    table = ray_cluster.trials_table(results, run, "search", "val_top1", "max", ["--num-workers", "2"])
+    assert list(table["trial"]) == ["t0", "t1", "t2", "t3"]
+    assert list(table["ended"]) == [
+        "finished", "stopped early",
+        "failed: training failed (worker rank 1: the training script exited with status 3; worker rank 0: "
+        f"{ray_cluster.LOST_A_PEER})",
+        "failed: argument --lr: bad"]
+    assert list(table["exit_status"]) == [0, 0, 3, 2] and list(table["epochs"]) == [3, 1, 2, 0]
+    assert list(table["best_val_top1"].fillna(-1)) == [35.0, 50.0, 95.0, -1]
+    assert list(table["best"]) == [False, True, False, False]  # 95 was a trial that failed
+    assert table.loc[1, "run_dir"] == str(tmp_path.resolve() / "search-t1")
+    assert table.loc[1, "command"] == (f"python run_scripts/ray_train.py --num-workers 2 -- imagenet_ddp.py "
+                                       f"{tiny_data} --epochs 3 --logdir {tmp_path} --lr 0.4")
+    assert ray_cluster.how_it_ended(results[2].error)[0] == 3  # the script's own status, not Ray's 1
+    assert ray_cluster.how_it_ended(results[3].error) == (2, "argument --lr: bad")
+    assert ray_cluster.how_it_ended(RunFailed({0: lost, 1: RuntimeError("A worker health check failed.")})) == (
+        1, f"training failed (worker rank 1: A worker health check failed.; worker rank 0: {ray_cluster.LOST_A_PEER})")
