@@ -286,6 +286,11 @@ def _worker_failures(error: BaseException) -> Dict[int, BaseException]:
                                                                  None) or {}
 
 
+def _cause(error: BaseException) -> BaseException:
+    """What a Ray task raised, unwrapped (a Tune trial's error comes as Ray's RayTaskError)."""
+    return getattr(error, "cause", None) or error
+
+
 def _script_said(failure: BaseException) -> Tuple[Optional[int], str]:
     """(exit status, line) of a worker's failure that the script itself
     reported (a UsageError: 2; a NaN loss: 3; ...), else (None, its summary)."""
@@ -309,6 +314,8 @@ def how_it_ended(error: BaseException) -> Tuple[int, str]:
     worker met is that line and status 2; a status the script chose (3 for a
     NaN loss, 74 for a checkpoint it could not write) is kept; otherwise 1
     and the failed workers."""
+    if isinstance(_cause(error), UsageError):  # met before any worker started (a Tune trial's own flags)
+        return USAGE_EXIT_STATUS, str(_cause(error))
     failures = _worker_failures(error)
     for rank, failure in sorted(failures.items(), key=lambda pair: LOST_A_PEER in str(pair[1])):
         status, line = _script_said(failure)
@@ -316,7 +323,8 @@ def how_it_ended(error: BaseException) -> Tuple[int, str]:
             return status, line
         if status is not None and status != PEER_LOST_EXIT_STATUS:
             return status, f"training failed ({failed_workers(failures)})"
-    return FAILED_EXIT_STATUS, f"training failed ({failed_workers(failures) if failures else error_summary(error)})"
+    return FAILED_EXIT_STATUS, \
+        f"training failed ({failed_workers(failures) if failures else error_summary(_cause(error))})"
 
 
 def failure_notes(launcher: str, max_failures: int):
@@ -364,6 +372,7 @@ def tune_trial(run: ScriptRun, workers: int, use_gpu: bool, cpus_per_worker: flo
     def trial(config: dict) -> None:
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
+        os.chdir(launched_in)  # DATA and --logdir relative to it: checked here by the script's parser too
         name = f"{search_name}-{tune.get_context().get_trial_id()}"
         trainer(run.with_flags(trial_flags(config, name)), workers, use_gpu, 0, cpus_per_worker, name, storage,
                 callbacks=[TuneReportCallback()], launcher="ray_tune.py", cwd=launched_in).fit()
@@ -397,8 +406,7 @@ def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: s
             ended = f"failed: {ended}"
         else:
             ended = "finished" if epochs >= trial_cfg.epochs or reached else "stopped early"
-        command = ["python", "run_scripts/ray_train.py", *launcher_flags, "--", *run.command(
-            trial_flags(result.config))]
+        command = ["python", ray_train_path(), *launcher_flags, "--", *run.command(trial_flags(result.config))]
         rows.append({"trial": trial_id, **{f"--{flag}": value for flag, value in sorted(result.config.items())},
                      "ended": ended, "exit_status": status, "epochs": epochs,
                      f"last_{metric}": values.iloc[-1] if epochs else math.nan,
@@ -414,6 +422,12 @@ def trials_table(results, run: ScriptRun, search_name: str, metric: str, mode: s
 
 
 # --- the launchers' command lines ---
+
+def ray_train_path() -> str:
+    """run_scripts/ray_train.py as a command typed here would name it: relative inside the repository."""
+    path = os.path.relpath(REPO / "run_scripts" / "ray_train.py")
+    return path if not path.startswith("..") else str(REPO / "run_scripts" / "ray_train.py")
+
 
 def add_cluster_flags(parser) -> None:
     """The flags ray_train.py and ray_tune.py share."""

@@ -2,7 +2,7 @@
 """Search an entry script's recipe with Ray Tune: each trial a whole Ray Train run.
 
     python run_scripts/ray_tune.py --num-samples 8 --search lr=loguniform:0.05:1.0 \\
-        --search warmup-epochs=choice:0,1,5 --scheduler asha --metric val_top1 --workers-per-trial 2 \\
+        --search warmup-epochs=choice:0,1,5 --scheduler asha --metric val_top1 --workers-per-trial 2 --use-gpu \\
         -- imagenet_ddp_apex.py -a resnet50 --b 208 --opt-level O2 --epochs 16 DATA
 
 --search FLAG=KIND:ARGS draws the script's --FLAG for each trial: loguniform:LOW:HIGH,

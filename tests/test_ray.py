@@ -244,10 +244,10 @@ def test_a_tune_search_on_the_digits_demo_runs_each_trial_in_its_own_run_directo
     before = ray_processes()
     recipe = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "--crop-scale", "0.5", "1", "--hflip", "0",
               "-b", "64", "-j", "0", "--epochs", "2", "--lr-schedule", "cosine"]
+    # Started in tmp_path with relative paths, as a user types them (Tune moves each trial elsewhere).
     result = run_command([sys.executable, RAY_TUNE, "--search", "lr=grid:0.4,0.1", "--metric", "val_top1",
-                          "--scheduler", "fifo", "--max-concurrent-trials", "1", "--storage", tmp_path / "ray", "--",
-                          "imagenet_ddp.py", tmp_path / "digits", *recipe, "--logdir", tmp_path / "runs"],
-                         env_extra=ray_env, timeout=600)
+                          "--scheduler", "fifo", "--max-concurrent-trials", "1", "--storage", "ray", "--",
+                          "imagenet_ddp.py", "digits", *recipe], cwd=tmp_path, env_extra=ray_env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     tables = list((tmp_path / "runs").glob("tune-*.trials.csv"))  # the default place: beside the run directories
     assert len(tables) == 1, tables
@@ -267,7 +267,9 @@ def test_a_tune_search_on_the_digits_demo_runs_each_trial_in_its_own_run_directo
     best = table[table["best"]]
     assert len(best) == 1 and best.iloc[0]["best_val_top1"] == table["best_val_top1"].max()
     assert f"best trial {best.iloc[0]['trial']}" in result.stdout and best.iloc[0]["command"] in result.stdout
-    assert best.iloc[0]["command"].startswith("python run_scripts/ray_train.py --num-workers 1 -- imagenet_ddp.py ")
+    # Typed where the search ran (tmp_path, outside the repository): the launcher's whole path.
+    assert best.iloc[0]["command"].startswith(f"python {RAY_TRAIN} --num-workers 1 -- imagenet_ddp.py ")
+    assert (tmp_path / "ray").is_dir()  # --storage, relative to where it was started
     assert_none_left(before)
 
 
@@ -460,9 +462,12 @@ def test_the_trials_table_says_how_each_trial_ended_and_never_names_a_failed_one
     assert list(table["best_val_top1"].fillna(-1)) == [35.0, 50.0, 95.0, -1]
     assert list(table["best"]) == [False, True, False, False]  # 95 was a trial that failed
     assert table.loc[1, "run_dir"] == str(tmp_path.resolve() / "search-t1")
-    assert table.loc[1, "command"] == (f"python run_scripts/ray_train.py --num-workers 2 -- imagenet_ddp.py "
+    assert table.loc[1, "command"] == (f"python {ray_cluster.ray_train_path()} --num-workers 2 -- imagenet_ddp.py "
                                        f"{tiny_data} --epochs 3 --logdir {tmp_path} --lr 0.4")
     assert ray_cluster.how_it_ended(results[2].error)[0] == 3  # the script's own status, not Ray's 1
     assert ray_cluster.how_it_ended(results[3].error) == (2, "argument --lr: bad")
+    wrapped = RuntimeError("ray::ImplicitFunc.train() (pid=1, ip=1.2.3.4)")  # Ray's RayTaskError of a trial
+    wrapped.cause = UsageError("DATA digits: no such directory")
+    assert ray_cluster.how_it_ended(wrapped) == (2, "DATA digits: no such directory")
     assert ray_cluster.how_it_ended(RunFailed({0: lost, 1: RuntimeError("A worker health check failed.")})) == (
         1, f"training failed (worker rank 1: A worker health check failed.; worker rank 0: {ray_cluster.LOST_A_PEER})")
