@@ -64,6 +64,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                       Path(args.storage))
         try:
             trainer.fit()
+        except SystemExit:  # Ray's own Ctrl-C handler, once it has stopped the run: said as for every script
+            raise KeyboardInterrupt from None
         except Exception as error:
             if not ray_cluster.is_training_failure(error):
                 raise

@@ -16,6 +16,7 @@ at each rung (epochs --grace-epochs x --reduction-factor^k). At the end a table 
 """
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from common import ray_cluster  # noqa: E402
 from common.arguments import Parser, positive_int  # noqa: E402
-from common.errors import USAGE_EXIT_STATUS, UsageError, run_main  # noqa: E402
+from common.errors import FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, run_main  # noqa: E402
 from common.telemetry import RANKABLE_METRICS  # noqa: E402
 
 TRIAL_CPUS = 0.01
@@ -136,21 +137,40 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"{args.metric} ({mode}), on {cluster.where()}", flush=True)
         results = search(args, run, searched, space, name, mode, at_once)
         table = ray_cluster.trials_table(results, run, name, args.metric, mode, rerun_flags(args, cluster))
+    planned = args.num_samples * math.prod(len(values) for _, kind, values in searched if kind == "grid")
+    report(table, out, args.metric, planned)
+
+
+def report(table, out: Path, metric: str, planned: int) -> None:
+    """Write the table of trials and say how the search ended: the best
+    trial and its command; every trial failed (the script's own line and
+    status 2 where every trial met the same mistake); or interrupted (Ctrl-C:
+    Tune stops the trials it runs and starts no more), status 130."""
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(out, index=False)
-    print(table.drop(columns=["command"]).to_string(index=False), flush=True)
+    if not table.empty:
+        print(table.drop(columns=["command"]).to_string(index=False), flush=True)
     print(f"ray_tune.py: trials table: {out}")
-    failed = table[table["exit_status"] != 0]
-    if len(failed) == len(table):  # nothing to rank: the first trial's failure says why
+    failed = table[table["exit_status"] != 0] if not table.empty else table
+    if len(table) == planned and len(failed) == len(table):  # nothing to rank: the first failure says why
         first = failed.iloc[0]
         line = first["ended"].removeprefix("failed: ")
         if (failed["exit_status"] == USAGE_EXIT_STATUS).all() and (failed["ended"] == first["ended"]).all():
             raise UsageError(line)  # the script's own one line, which every trial met
         print(f"ray_tune.py: error: every trial failed (trial {first['trial']}: {line})", file=sys.stderr)
         sys.exit(int(first["exit_status"]))
-    row = table[table["best"]].iloc[0]
-    print(f"ray_tune.py: best trial {row['trial']}: {args.metric} {row['best_' + args.metric]:.4g} "
-          f"(run directory {row['run_dir']}); to run it again:\n  {row['command']}", flush=True)
+    best = table[table["best"]] if not table.empty else table
+    if not best.empty:
+        row = best.iloc[0]
+        print(f"ray_tune.py: best trial {row['trial']}: {metric} {row['best_' + metric]:.4g} "
+              f"(run directory {row['run_dir']}); to run it again:\n  {row['command']}", flush=True)
+    if len(table) < planned:
+        print(f"ray_tune.py: interrupted after {len(table)} of {planned} trials: the table holds what ran",
+              file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_STATUS)
+    if best.empty:
+        print(f"ray_tune.py: error: no trial reported {metric}", file=sys.stderr)
+        sys.exit(FAILED_EXIT_STATUS)
 
 
 def rerun_flags(args, cluster: ray_cluster.Cluster) -> List[str]:

@@ -192,6 +192,20 @@ def test_a_mistake_the_workers_meet_is_the_scripts_one_line_and_exit_2(tmp_path,
     assert_none_left(before)
 
 
+@needs_ray
+@pytest.mark.slow
+def test_ctrl_c_to_ray_train_stops_the_run_and_every_process_it_started(data, tmp_path, ray_env):
+    before = ray_processes()
+    log = tmp_path / "interrupted.log"
+    process = start([RAY_TRAIN, "--num-workers", "2", "--storage", tmp_path / "ray", "--", "imagenet_ddp.py", data,
+                     *RUN, "--epochs", "50", "--logdir", tmp_path / "runs"], ray_env, log)
+    wait_for(log, r"train epoch 0 \[ ?2/18\]", process)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, log.read_text()
+    assert log.read_text().strip().splitlines()[-1] == "ray_train.py: interrupted"
+    assert_none_left(before)
+
+
 # --- elastic: a node lost, the run finishes on fewer workers ---
 
 @needs_ray
