@@ -216,7 +216,7 @@ def describe(count: WorkerCount) -> str:
 
 
 def trainer(run: ScriptRun, num_workers: WorkerCount, use_gpu: bool, max_failures: int, cpus_per_worker: float,
-            name: str, storage: Path, callbacks: Sequence = (), launcher: str = "ray_train.py",
+            name: str, storage: str, callbacks: Sequence = (), launcher: str = "ray_train.py",
             cwd: Optional[str] = None):
     """Ray Train's TorchTrainer for `run`: each worker calls the script's
     main() with its flags (train_loop), in the launcher's working directory
@@ -233,7 +233,7 @@ def trainer(run: ScriptRun, num_workers: WorkerCount, use_gpu: bool, max_failure
         torch_config=torch_config,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
-        run_config=RunConfig(name=name, storage_path=str(storage), failure_config=FailureConfig(max_failures),
+        run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(max_failures),
                              callbacks=[failure_notes(launcher, max_failures), *callbacks],
                              logging_config=LoggingConfig(log_level=RAY_LOG_LEVEL)))
 
@@ -362,12 +362,12 @@ def _preempted(error: BaseException) -> bool:
         return False
 
 
-def tune_trial(run: ScriptRun, workers: int, use_gpu: bool, cpus_per_worker: float, search_name: str, storage: Path):
+def tune_trial(run: ScriptRun, workers: int, use_gpu: bool, cpus_per_worker: float, search_name: str, storage: str):
     """Ray Tune's trial function: one Ray Train run of `run` with the
     trial's flags, in a run directory of its own (<search>-<trial id>), its
     epochs' reports passed on to Tune. Its workers run where ray_tune.py was
     started (Tune moves each trial into a folder of its own)."""
-    launched_in, storage = os.getcwd(), storage.resolve()
+    launched_in = os.getcwd()
 
     def trial(config: dict) -> None:
         from ray import tune
@@ -437,9 +437,15 @@ def add_cluster_flags(parser) -> None:
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker (NCCL)")
     parser.add_argument("--cpus-per-worker", type=positive_float, default=1.0, metavar="C",
                         help="CPUs Ray reserves for each worker: its data-loading processes use them (default 1)")
-    parser.add_argument("--storage", metavar="DIR", default=str(Path.home() / "ray_results"),
+    parser.add_argument("--storage", metavar="DIR", type=storage_path, default=storage_path("~/ray_results"),
                         help="where Ray keeps its own record of each run (default ~/ray_results); the run "
                              "directories stay under the script's --logdir")
+
+
+def storage_path(text: str) -> str:
+    """--storage: a folder, made absolute here (Ray's storage reads it as a URI, and a trial runs
+    elsewhere), or a URI of Ray's storage as it is (s3://bucket/path)."""
+    return text if "://" in text else str(Path(text).expanduser().resolve())
 
 
 def split_command(argv: Sequence[str]) -> Tuple[List[str], List[str]]:

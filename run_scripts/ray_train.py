@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"ray_train.py: {ray_cluster.describe(count)} of {run.path.name} on {cluster.where()}, Ray run "
               f"{name}, --max-failures {args.max_failures}", flush=True)
         trainer = ray_cluster.trainer(run, count, args.use_gpu, args.max_failures, args.cpus_per_worker, name,
-                                      Path(args.storage))
+                                      args.storage)
         try:
             trainer.fit()
         except SystemExit:  # Ray's own Ctrl-C handler, once it has stopped the run: said as for every script

@@ -196,7 +196,7 @@ def search(args, run: ray_cluster.ScriptRun, searched, space: dict, name: str, m
                                reduction_factor=args.reduction_factor)
                  if args.scheduler == "asha" else FIFOScheduler())
     trial = ray_cluster.tune_trial(run, args.workers_per_trial, args.use_gpu, args.cpus_per_worker, name,
-                                   Path(args.storage))
+                                   args.storage)
     # The trial function only starts its Ray Train run and waits: it takes (almost) no CPU from the workers
     # (Tune asks for some resource).
     tuner = tune.Tuner(tune.with_resources(trial, {"cpu": TRIAL_CPUS}), param_space=space,
@@ -204,7 +204,7 @@ def search(args, run: ray_cluster.ScriptRun, searched, space: dict, name: str, m
                                                    scheduler=scheduler,
                                                    max_concurrent_trials=at_once,
                                                    trial_dirname_creator=trial_folder),
-                       run_config=tune.RunConfig(name=name, storage_path=str(Path(args.storage).resolve()),
+                       run_config=tune.RunConfig(name=name, storage_path=args.storage,
                                                  verbose=0))
     return tuner.fit()
 

@@ -485,3 +485,11 @@ def test_the_trials_table_says_how_each_trial_ended_and_never_names_a_failed_one
     assert ray_cluster.how_it_ended(wrapped) == (2, "DATA digits: no such directory")
     assert ray_cluster.how_it_ended(RunFailed({0: lost, 1: RuntimeError("A worker health check failed.")})) == (
         1, f"training failed (worker rank 1: A worker health check failed.; worker rank 0: {ray_cluster.LOST_A_PEER})")
+
+
+def test_storage_is_made_absolute_where_the_launcher_runs_and_a_uri_stays_as_it_is(tmp_path, monkeypatch):
+    from common.ray_cluster import storage_path
+
+    monkeypatch.chdir(tmp_path)
+    assert storage_path("ray") == str(tmp_path.resolve() / "ray")  # Ray reads it as a URI; a trial runs elsewhere
+    assert storage_path("s3://bucket/runs") == "s3://bucket/runs"
