@@ -336,7 +336,6 @@ def test_an_error_every_process_meets_is_reported_once(data):
     assert_one_line_error(result, "argument -b/--batch-size: 20 per process")
 
 
-@pytest.mark.slow
 def _two_nodes_errors(data, node1_data, tmp_path) -> list:
     """Node 0 on `data`, node 1 on its own copy: node 1's error lines (it exits 2, node 0 fails too)."""
     port = free_port()
@@ -348,6 +347,7 @@ def _two_nodes_errors(data, node1_data, tmp_path) -> list:
     return [line for line in outputs[1].splitlines() if "error:" in line]
 
 
+@pytest.mark.slow
 def test_an_error_on_another_node_is_reported_there(data, tmp_path):
     broken = make_image_folder(tmp_path / "broken")
     for image in (broken / "val" / "class_2").iterdir():
@@ -357,6 +357,7 @@ def test_an_error_on_another_node_is_reported_there(data, tmp_path):
                       f"(looked for .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)"]
 
 
+@pytest.mark.slow
 def test_a_node_whose_copy_of_the_data_differs_from_rank_0s_says_so(data, tmp_path):
     """Rank 0 alone scans; the first process of every other node checks its own copy of DATA when it is
     node-local (here: not a network file system), as a copy staged on each node's disk is."""
