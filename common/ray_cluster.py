@@ -98,11 +98,15 @@ class ScriptRun:
     def command(self, extra: Sequence[str] = ()) -> List[str]:
         return [self.path.name, *self.argv, *extra]
 
-    def with_flags(self, extra: Sequence[str]) -> "ScriptRun":
-        argv = tuple(self.argv) + tuple(extra)
-        cfg = cli.parse(self.mode, list(argv))
+    @staticmethod
+    def parsed(path: Path, mode: str, argv: Sequence[str]) -> "ScriptRun":
+        """`argv` checked by the script's own parser, with no flag that a launcher sets."""
+        cfg = cli.parse(mode, list(argv))
         launch.check_launcher_flags(cfg, launch.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
-        return ScriptRun(self.path, self.mode, argv, cfg)
+        return ScriptRun(path, mode, tuple(argv), cfg)
+
+    def with_flags(self, extra: Sequence[str]) -> "ScriptRun":
+        return ScriptRun.parsed(self.path, self.mode, (*self.argv, *extra))
 
 
 def script_run(words: Sequence[str]) -> ScriptRun:
@@ -117,9 +121,7 @@ def script_run(words: Sequence[str]) -> ScriptRun:
     path = script if script.is_file() else REPO / script.name
     if not path.is_file():
         raise UsageError(f"no such script: {words[0]}")
-    cfg = cli.parse(SCRIPTS[script.name], list(words[1:]))
-    launch.check_launcher_flags(cfg, launch.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
-    return ScriptRun(path.resolve(), SCRIPTS[script.name], tuple(words[1:]), cfg)
+    return ScriptRun.parsed(path.resolve(), SCRIPTS[script.name], words[1:])
 
 
 def on_devices(run: ScriptRun, use_gpu: bool) -> ScriptRun:
@@ -277,18 +279,17 @@ def is_training_failure(error: BaseException) -> bool:
     """Whether `error` is Ray Train giving up on the run (its workers failed
     more often than --max-failures allows), not a fault of this driver."""
     from ray.train import TrainingFailedError
-    return isinstance(error, TrainingFailedError) or isinstance(getattr(error, "cause", None), TrainingFailedError)
-
-
-def _worker_failures(error: BaseException) -> Dict[int, BaseException]:
-    """Rank -> exception of a run Ray Train gave up on (Tune hands it over wrapped)."""
-    return getattr(error, "worker_failures", None) or getattr(getattr(error, "cause", None), "worker_failures",
-                                                                 None) or {}
+    return isinstance(_cause(error), TrainingFailedError)
 
 
 def _cause(error: BaseException) -> BaseException:
     """What a Ray task raised, unwrapped (a Tune trial's error comes as Ray's RayTaskError)."""
     return getattr(error, "cause", None) or error
+
+
+def _worker_failures(error: BaseException) -> Dict[int, BaseException]:
+    """Rank -> exception of a run Ray Train gave up on (Tune hands it over wrapped)."""
+    return getattr(_cause(error), "worker_failures", None) or {}
 
 
 def _script_said(failure: BaseException) -> Tuple[Optional[int], str]:
@@ -317,7 +318,7 @@ def how_it_ended(error: BaseException) -> Tuple[int, str]:
     if isinstance(_cause(error), UsageError):  # met before any worker started (a Tune trial's own flags)
         return USAGE_EXIT_STATUS, str(_cause(error))
     failures = _worker_failures(error)
-    for rank, failure in sorted(failures.items(), key=lambda pair: LOST_A_PEER in str(pair[1])):
+    for failure in sorted(failures.values(), key=lambda failure: LOST_A_PEER in str(failure)):
         status, line = _script_said(failure)
         if status == USAGE_EXIT_STATUS:
             return status, line
