@@ -117,15 +117,24 @@ class DaliDecoder:
     cannot see) leaves its pipeline unusable: that batch is then decoded on
     the CPU in this process (Pillow names a file it cannot read either), a
     warning says so once, and the next batch gets a new pipeline;
-    MAX_REFUSED_IN_A_ROW batches refused in a row stop the run."""
+    MAX_REFUSED_IN_A_ROW batches refused in a row stop the run.
 
-    def __init__(self, device: torch.device, image_size: int, max_batch: int, threads: int):
+    On a GPU the chroma planes are upsampled the hardware decoder's way
+    unless `libjpeg_chroma` asks for libjpeg's ("fancy", Pillow's): on one
+    H200 (2026-11-26, bench end-to-end, ResNet-50 O2) libjpeg's way gave
+    2,273 images/s (median of 2) and the default 3,298 (one run), which is
+    what keeping the hardware JPEG engines out would cost. Pixels then differ
+    from the CPU decoders' at colour edges; the crops' geometry does not."""
+
+    def __init__(self, device: torch.device, image_size: int, max_batch: int, threads: int,
+                 libjpeg_chroma: bool = False):
         self.dali = import_dali()
         self.device = device
         self.image_size = image_size
         self.max_batch = max_batch
         self.threads = max(1, threads)
         self.on_gpu = device.type == "cuda"
+        self.libjpeg_chroma = libjpeg_chroma
         self.refused_in_a_row = 0
         self._warned = False
         self._pipeline = self._built()  # now: a DALI that cannot build it here says so before any data is read
@@ -142,7 +151,8 @@ class DaliDecoder:
                 f"thread(s); other files are finished in the data-loading workers")
 
     def to_dict(self) -> dict:
-        return {"version": self.version, "device": "mixed" if self.on_gpu else "cpu", "threads": self.threads}
+        return {"version": self.version, "device": "mixed" if self.on_gpu else "cpu", "threads": self.threads,
+                "libjpeg_chroma": self.libjpeg_chroma}
 
     def _built(self):
         try:
@@ -164,7 +174,7 @@ class DaliDecoder:
                                       prefetch_queue_depth=1, exec_dynamic=True)
         decode_options = dict(device="mixed" if self.on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
                               normalized_anchor=False, normalized_shape=False)
-        if self.on_gpu:  # the CPU decoder's chroma upsampling, so the GPU's pixels are libjpeg's (Pillow's)
+        if self.on_gpu and self.libjpeg_chroma:  # the CPU decoder's chroma upsampling: Pillow's pixels, slower
             decode_options["jpeg_fancy_upsampling"] = True
         if importlib.import_module("nvidia.dali.backend").GetSchema("decoders__ImageSlice").HasArgument(
                 "adjust_orientation"):

@@ -79,6 +79,9 @@ def seed_generators(seed: int, devices) -> None:
     torch.default_generator.manual_seed(seed)
     for device in devices:
         if device.type == "cuda":
+            # default_generators is empty until CUDA is initialised (found on an H200, 2026-11-26: a call before
+            # the model reached the GPU failed with an IndexError); init() is a flag check once it is.
+            torch.cuda.init()
             index = device.index if device.index is not None else torch.cuda.current_device()
             torch.cuda.default_generators[index].manual_seed(seed)
 

@@ -271,6 +271,25 @@ def test_end_to_end_trains_on_the_jpegs_with_each_backend_beside_synthetic_data(
         "end-to-end: nd with --data-backend dali: not measured (not installed: pip install -r requirements-dali.txt)"]
 
 
+@pytest.mark.parametrize("device, synthetic_workers", [("cpu", "0"), ("cuda", "4")])
+def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monkeypatch, device, synthetic_workers):
+    """On a GPU's launch-bound loop a batch assembled in the training
+    process costs step time (Settings.synthetic_workers); on the CPU the
+    workers would take the step's cores. Data runs keep the -j they are given."""
+    commands = []
+
+    def stop(command, gpu=None):
+        commands.append(command)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "_run", stop)
+    for data, workers in ((None, None), ("DATA", 12)):
+        with pytest.raises(RuntimeError):
+            bench.run_script("imagenet_nd.py", [], settings(device=device), tmp_path, data=data, workers=workers)
+    assert [command[command.index("-j") + 1] for command in commands] == [synthetic_workers, "12"]
+    assert "--synthetic" in commands[0] and "DATA" in commands[1]
+
+
 def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():
     for device, batch, warmup, steps, input_batches in (("cuda", 256, 10, 40, 40), ("cpu", 32, 3, 8, 10)):
         plan = settings(device=device, batch_size=batch, warmup_steps=warmup, steps=steps, input_batches=input_batches)

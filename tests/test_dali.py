@@ -302,11 +302,13 @@ def test_the_gpu_decodes_the_cpu_decoders_crops_within_a_few_gray_levels(jpegs):
     batch = encoded_batch(jpegs, DaliImages(True, 224))
     with warnings.catch_warnings():
         warnings.simplefilter("error", pipelines.GPUDecodeFallback)  # DALI's GPU decode, not the CPU's stand-in
-        on_gpu = batch.decode(torch.device("cuda"), dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4))
+        on_gpu = batch.decode(torch.device("cuda"),
+                              dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4, libjpeg_chroma=True))
     on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), 224, len(jpegs), 2))
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
     difference = (on_gpu.cpu().int() - on_cpu.int()).abs().double()
-    # nvJPEG and the hardware decoder use their own IDCTs (the chroma upsampling is set to libjpeg's).
+    # nvJPEG and the hardware decoder use their own IDCTs (the chroma upsampling is set to libjpeg's here; a
+    # run's default, the hardware decoder's own, is what test_a_gpu_run_with_dali_trains_and_counts_every_image runs).
     assert difference.mean(dim=(1, 2, 3)).max().item() <= 1.0 and difference.amax().item() <= 16
 
 
