@@ -11,7 +11,7 @@ finding the other processes is common/launch.py.
 """
 import torch
 
-from common import cli, config, data, distributed, engine, launch, models, precision, schedules, telemetry
+from common import cli, comm, config, data, distributed, engine, launch, models, precision, schedules, telemetry
 
 
 def main(argv=None):
@@ -32,15 +32,15 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     model = models.compiled(model.to(ctx.device, memory_format=memory_format), cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # Every process holds a replica; DDP averages the gradients across processes during backward.
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    # Every process holds a replica; DDP averages the gradients across processes during backward
+    # (--ddp-comm-hook: what it sends; --bucket-cap-mb, --static-graph: how).
+    model, comm_hook = comm.distributed_model(model, cfg, ctx)
 
-    global_batch = cfg.batch_size * ctx.replicas
+    global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
     engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,
-               global_batch=global_batch, lr=lr)  # --resume, then training and validation, or --evaluate
+               global_batch=global_batch, lr=lr, comm_hook=comm_hook)  # --resume, training, validation; or --evaluate
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     else:
         model = torch.nn.DataParallel(model)  # splits each batch over the GPUs, gathers the outputs on cuda:0
 
-    global_batch = cfg.batch_size * ctx.replicas
+    global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
     engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,

@@ -28,7 +28,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     model = models.compiled(model.to(ctx.device, memory_format=memory_format), cfg.compile)  # --compile
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 
-    global_batch = cfg.batch_size * ctx.replicas
+    global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
     lr = schedules.scaled_lr(cfg.lr, global_batch)
     optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
     engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,

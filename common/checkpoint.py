@@ -35,6 +35,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common import rundir
+from common.comm import CommHook
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary, decided_by_primary
 from common.errors import UsageError, error_summary
@@ -72,7 +73,7 @@ def restore_rng_state(state: dict) -> None:
 def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: dict, epoch: int, step: int,
                    images_done: int, partial_epoch: Optional[dict], best_acc1: float, best_epoch: Optional[int],
                    arch: str, classes: List[str], config: dict, world_size: int, global_batch: int, lr: float,
-                   seed: int) -> dict:
+                   seed: int, comm_hook: Optional[dict] = None) -> dict:
     """The checkpoint contents with `step` steps (`images_done` images, all
     processes) of epoch `epoch` done; after an epoch, the next epoch at step 0."""
     return {
@@ -85,6 +86,7 @@ def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: d
         "state_dict": _plain_state_dict(unwrap(model).state_dict()),  # also inner wrappers (DataParallel features)
         "optimizer": optimizer.state_dict(),
         "precision": precision_state,
+        "comm_hook": comm_hook,  # DDP's communication hook and its state per process (common.comm); None: no DDP
         "best_acc1": best_acc1,
         "best_epoch": best_epoch,
         "classes": list(classes),
@@ -321,7 +323,8 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Tuple[Optional[str], O
 # The options that make up the training recipe (not where the data or logs are, nor how processes meet).
 _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
                    "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
-                   "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend")
+                   "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
+                   "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:
@@ -334,7 +337,7 @@ def _changed_recipe(saved: dict, now: dict) -> str:
 
 
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
-           global_batch: int, lr: float) -> ResumePoint:
+           global_batch: int, lr: float, comm_hook: Optional[CommHook] = None) -> ResumePoint:
     """Where to start: --start-epoch without --resume; otherwise restore model,
     optimizer, precision policy and RNG states from the checkpoint --resume
     names (or, with `auto`, the newest readable one of the run directory) and
@@ -360,6 +363,10 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         for group in optimizer.param_groups:
             group.update(implementation)
     precision.load_state_dict(state.get("precision") or {})
+    if comm_hook is not None:
+        note = comm_hook.load_state_dict(state.get("comm_hook"), ctx, ctx.device)
+        if note:
+            log.info(note)
     if "rng" in state:
         restore_rng_state(state["rng"])
     best = state.get("best_acc1", 0.0)
@@ -416,8 +423,10 @@ class Checkpointer:
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, precision, ctx: Context, facts: RunFacts,
                  classes: List[str], start: ResumePoint, run_dir: Optional[Path],
-                 check_weights: Callable[[nn.Module, str], None] = lambda model, where: None):
+                 check_weights: Callable[[nn.Module, str], None] = lambda model, where: None,
+                 comm_hook: Optional[CommHook] = None):
         self.model, self.optimizer, self.precision, self.ctx = model, optimizer, precision, ctx
+        self.comm_hook = comm_hook
         # Raises when a weight is not finite on some process (engine.LossGuard.check_weights, a collective):
         # a checkpoint is never written of weights a NaN has reached.
         self.check_weights = check_weights
@@ -447,6 +456,8 @@ class Checkpointer:
         OSError on every process (a collective: all learn it from the primary),
         and the position is not taken for saved: a stop there writes anew."""
         self.check_weights(self.model, f"the checkpoint at epoch {epoch} step {step}")
+        # Every process's hook state, on the primary (a collective for PowerSGD's).
+        comm_hook = self.comm_hook.state_dict(self.ctx) if self.comm_hook is not None else None
         failure = None
         if self.ctx.is_primary:
             facts = self.facts
@@ -455,6 +466,7 @@ class Checkpointer:
                 step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self.best_acc1,
                 best_epoch=self.best_epoch, arch=facts.arch, classes=self.classes, config=facts.config,
                 world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
+                comm_hook=comm_hook,
             )
             try:
                 self.last_path = save(state, self.run_dir, is_best, keep=facts.keep_checkpoints)

@@ -146,6 +146,10 @@ def _add_optimisation_flags(group) -> None:
                        metavar="W", help="weight decay")
     group.add_argument("--label-smoothing", type=unit_interval, default=0.0, metavar="EPS",
                        help="label smoothing of the cross-entropy loss")
+    group.add_argument("--accum-steps", type=positive_int, default=1, metavar="N",
+                       help="micro-batches of -b per optimizer step (gradient accumulation): the global batch, "
+                            "and so the lr, the schedule and --steps-per-epoch, count -b x N x GPUs; DDP "
+                            "exchanges gradients once per step. A 64-GPU run's batch on 8 GPUs: N = 8")
 
 
 def _add_schedule_flags(group) -> None:
@@ -313,6 +317,19 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dist-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                        help="how long a process waits for its peers: at start-up (a node that never comes "
                             "up ends the job with an error after this) and at any collective operation")
+    group.add_argument("--ddp-comm-hook", choices=("none", "fp16", "bf16", "powersgd"), default="none",
+                       help="what DDP sends each step: fp32 gradients (none), gradients cast to fp16 or bf16 "
+                            "(half the bytes), or PowerSGD's low-rank factors with error feedback (far fewer); "
+                            "README: Scaling")
+    group.add_argument("--powersgd-rank", type=positive_int, default=None, metavar="R",
+                       help="rank of PowerSGD's factors: more is closer to the full gradient, and more bytes "
+                            "(default: 1)")
+    group.add_argument("--powersgd-start-step", type=positive_int, default=None, metavar="N",
+                       help="optimizer steps with plain all-reduces before PowerSGD compresses (default: 1000)")
+    group.add_argument("--bucket-cap-mb", type=positive_float, default=25.0, metavar="MB",
+                       help="DDP's gradient bucket size: larger buckets, fewer all-reduces with less overlap")
+    group.add_argument("--static-graph", action="store_true",
+                       help="tell DDP the same parameters get gradients every step (lets it skip per-step checks)")
     group.add_argument("--multiprocessing-distributed", action="store_true",
                        help="accepted for pytorch/examples command lines: this script always runs one process "
                             "per GPU")
@@ -343,6 +360,14 @@ def _check_values(ns: argparse.Namespace) -> None:
     if getattr(ns, "dist_url", None) is not None and not ns.dist_url.startswith("tcp://"):
         raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT of node 0, got {ns.dist_url!r} "
                          f"(under torchrun, launch or srun leave it unset)")
+    hook = getattr(ns, "ddp_comm_hook", "none")
+    for flag, value in (("--powersgd-rank", getattr(ns, "powersgd_rank", None)),
+                        ("--powersgd-start-step", getattr(ns, "powersgd_start_step", None))):
+        if value is not None and hook != "powersgd":
+            raise UsageError(f"argument {flag}: only with --ddp-comm-hook powersgd (this run: {hook})")
+    if (getattr(ns, "powersgd_start_step", None) or 2) < 2:
+        raise UsageError("argument --powersgd-start-step: 1 is below 2 (DDP settles its buckets in the first "
+                         "steps, before PowerSGD can keep state for them)")
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
     if ns.batch_size == 1 and not ns.evaluate:

@@ -37,7 +37,7 @@ class Config:
     synthetic: bool
     epochs: int
     start_epoch: int
-    batch_size: int  # per process (per device); the global batch is batch_size x world size
+    batch_size: int  # per process (per device) and micro-batch; the global batch is batch_size x accum_steps x replicas
     lr: float  # for a global batch of 256; scaled linearly to the real global batch
     momentum: float
     weight_decay: float
@@ -74,6 +74,7 @@ class Config:
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
     data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)
     compile: bool = False  # torch.compile the model
+    accum_steps: int = 1  # micro-batches of batch_size per optimizer step (gradient accumulation)
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
     dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU
@@ -83,6 +84,11 @@ class Config:
     local_rank: Optional[int] = None  # set by torch.distributed.launch
     sync_bn: bool = False
     dist_timeout: float = 300.0  # seconds
+    ddp_comm_hook: str = "none"  # none | fp16 | bf16 | powersgd: what DDP sends (common.comm)
+    powersgd_rank: Optional[int] = None  # None: common.comm.POWERSGD_RANK
+    powersgd_start_step: Optional[int] = None  # None: common.comm.POWERSGD_START_STEP
+    bucket_cap_mb: Optional[float] = None  # DDP's gradient bucket size; None: its default (25 MB, the first 1 MiB)
+    static_graph: bool = False  # DDP's static_graph: the same parameters train every step
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -379,8 +379,10 @@ class ShardSampler(Sampler):
 class TrainSampler(Sampler):
     """This process's share of an epoch: the epoch's permutation of the
     training set (a function of seed and epoch), cut into global batches of
-    batch_size x world_size consecutive positions; rank r takes positions r,
-    r + world_size, ... of each. A world of any size so covers the same
+    batch_size x accum_steps x world_size consecutive positions; rank r takes
+    positions r, r + world_size, ... of each, as accum_steps micro-batches of
+    batch_size (so -b 8 --accum-steps 2 gives each rank the images -b 16
+    gives it, in one optimizer step). A world of any size so covers the same
     prefix of the permutation after the same number of images, which is what
     lets a checkpoint written by W processes continue with W' (only the
     incomplete last global batch of an epoch is left out, on every process alike).
@@ -389,11 +391,12 @@ class TrainSampler(Sampler):
     `images_done` positions (a mid-epoch resume), and `limit` caps its steps
     (--steps-per-epoch)."""
 
-    def __init__(self, length: int, rank: int, world_size: int, batch_size: int, seed: int):
+    def __init__(self, length: int, rank: int, world_size: int, batch_size: int, seed: int, accum_steps: int = 1):
         self.length = length
         self.rank = rank
         self.world_size = world_size
-        self.batch_size = batch_size  # per process
+        self.batch_size = batch_size  # per process and micro-batch
+        self.accum_steps = accum_steps  # micro-batches per step
         self.seed = seed
         self.epoch = 0
         self.images_done = 0
@@ -401,7 +404,8 @@ class TrainSampler(Sampler):
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.world_size
+        """Images of one optimizer step, all processes and micro-batches."""
+        return self.batch_size * self.accum_steps * self.world_size
 
     def steps_per_epoch(self, limit: int = 0) -> int:
         full = self.length // self.global_batch
@@ -426,7 +430,7 @@ class TrainSampler(Sampler):
         return iter(order[start:stop:self.world_size].tolist())
 
     def __len__(self) -> int:
-        return self.steps * self.batch_size
+        return self.steps * self.batch_size * self.accum_steps
 
 
 @dataclasses.dataclass
@@ -587,10 +591,11 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
             if cfg.data_backend == "dali" and not cfg.synthetic else None)
     decoder = jpeg_decoder(cfg)
     train_set, val_set, classes, notes = build_datasets(cfg, ctx, decoder)
-    train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed)
+    train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed, cfg.accum_steps)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
-        raise UsageError(f"argument -b/--batch-size: {batch_size} per process{processes} is more than the "
+        micro = f" x --accum-steps {cfg.accum_steps}" if cfg.accum_steps > 1 else ""
+        raise UsageError(f"argument -b/--batch-size: {batch_size} per process{micro}{processes} is more than the "
                          f"{len(train_set)} training images; lower it")
     pin_memory = ctx.device.type == "cuda"
     # Workers die with their training process, even if it is killed with SIGKILL.

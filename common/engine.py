@@ -16,6 +16,7 @@ checkpoint at step S of epoch E is the same as training that never stopped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 
 from common import checkpoint, measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint, RunFacts
+from common.comm import CommHook
 from common.config import Config
 from common.data import BadImages, Loaders, derived_seed
 from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
@@ -284,6 +286,7 @@ class Trainer:
     large_images_noted: set = dataclasses.field(default_factory=set, init=False)
     profile_steps: int = 0  # --profile-steps: training steps profiled, once a run (measure.StepProfiler)
     profiled: bool = dataclasses.field(default=False, init=False)
+    accum_steps: int = 1  # --accum-steps: micro-batches per optimizer step
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -322,7 +325,6 @@ class Trainer:
                 with record_function("step:data"):
                     batch = next(batches)
                 timer.batch_ready()
-                images, target = batch.image, batch.target
                 with record_function("step:seed, lr, guard"):
                     # Dropout (and any other randomness in the model) draws from a seed of this step: the same
                     # in a run resumed here as in one that never stopped.
@@ -330,21 +332,32 @@ class Trainer:
                     lr = self.schedule.lr(epoch, step, steps)
                     set_lr(self.optimizer, lr)
                     buffers = self.guard.buffers_before(self.model)
-                with record_function("step:forward"), self.precision.autocast():
-                    logits = self.model(images)
-                    loss = self.criterion(logits, target)
-                files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
-                             large_images=bad_images.count_large(batch))
+                # --accum-steps N: the first N - 1 micro-batches add their gradients (each loss / N) without
+                # DDP's exchange; the last one's backward exchanges the sum, then one optimizer step.
+                if self.accum_steps > 1:
+                    self.optimizer.zero_grad(set_to_none=True)
+                micro = []
+                for index in range(self.accum_steps):
+                    if index:  # the step's later micro-batches: their wait is data wait too
+                        batch = timer.waiting(lambda: next(batches))
+                    micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
+                loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
                 if self.guard.allows_update(loss, epoch, step, lr):
                     with record_function("step:backward and optimizer"):
-                        self.precision.backward_and_step(loss, self.optimizer)
+                        if len(micro) == 1:
+                            self.precision.backward_and_step(micro[0].loss, self.optimizer)
+                        else:
+                            self.precision.backward(micro[-1].loss / len(micro))
+                            self.precision.step(self.optimizer)
                     with record_function("step:metric sums"):
-                        sums.add(loss, logits, target, timed=timer.timing, **files)
+                        for part in micro:
+                            sums.add(part.loss, part.logits, part.target, timed=timer.timing, **part.files)
                 else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
                     self.guard.restore_buffers(self.model, buffers)
                     self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
                                   f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
-                    sums.add_files(**files)
+                    for part in micro:
+                        sums.add_files(**part.files)
                 if self._should_print(step, steps):  # the one host sync per interval
                     status = self.precision.status()
                     progress.show(step, sums.totals(), timer, lr, status)
@@ -367,6 +380,24 @@ class Trainer:
                         _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
         return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                         self.precision.status())
+
+    def _accumulated(self, batch, bad_images: BadImages, backward: bool = False) -> "_MicroBatch":
+        """One micro-batch's forward pass (and, for all but a step's last,
+        `backward`, its backward pass without DDP's exchange, the loss divided
+        by --accum-steps as the step's mean over them needs)."""
+        with record_function("step:forward"), self.precision.autocast():
+            logits = self.model(batch.image)
+            loss = self.criterion(logits, batch.target)
+        if backward:
+            with record_function("step:backward (accumulating)"), self._no_sync():
+                self.precision.backward(loss / self.accum_steps)
+        files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
+                     large_images=bad_images.count_large(batch))
+        return _MicroBatch(loss, logits, batch.target, files)
+
+    def _no_sync(self):
+        """DDP's no_sync(): gradients add up locally, exchanged at the next synchronised backward."""
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else contextlib.nullcontext()
 
     def _profiler(self, epoch: int, first_step: int) -> Optional[measure.StepProfiler]:
         """--profile-steps: on the primary, in the first epoch this run trains; None otherwise."""
@@ -569,9 +600,11 @@ def _finish(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampl
 
 
 def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Optimizer, policy, loaders: Loaders, *,
-        channels_last: bool, global_batch: int, lr: float) -> Optional[FitResult]:
+        channels_last: bool, global_batch: int, lr: float, comm_hook: Optional[CommHook] = None
+        ) -> Optional[FitResult]:
     """What every entry script ends with, once its model is built and wrapped
-    and its optimizer made: the LR schedule and loss of the recipe, --resume
+    (`comm_hook`: the DDP scripts' communication hook, whose state checkpoints
+    keep) and its optimizer made: the LR schedule and loss of the recipe, --resume
     (to the step), then --evaluate's one validation pass, or the run
     directory, the configuration record and fit()."""
     # --opt-level auto, resolved now that the device is known: the run's name, config.json and the
@@ -586,11 +619,13 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
         log.info(note)
     if policy.warning:  # a half type this device emulates: said once, at the start, and kept in config.json
         log.info(policy.warning)
+    if comm_hook is not None:
+        log.info(comm_hook.describe(cfg.bucket_cap_mb, cfg.static_graph))
     schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
     start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, global_batch=global_batch,
-                              lr=lr)
+                              lr=lr, comm_hook=comm_hook)
 
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
 
@@ -599,7 +634,7 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
                        channels_last=channels_last, steps_per_epoch=cfg.steps_per_epoch,
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
-                       profile_steps=cfg.profile_steps)
+                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps)
 
     if cfg.evaluate:
         # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
@@ -607,7 +642,8 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
         val, report = trainer(None).validate(loaders, start.start_epoch)
         log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
         return None
-    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica x {ctx.replicas}); "
+    accumulated = f" x {cfg.accum_steps} micro-batches" if cfg.accum_steps > 1 else ""
+    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica{accumulated} x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
     resolved = {
         "global_batch": global_batch, "lr": lr, "precision": policy.name,
@@ -636,11 +672,21 @@ def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opt
         io_sampler = measure.start_io_sampler(cfg, ctx)
         checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr),
                                     loaders.classes, start, run_dir.path if run_dir is not None else None,
-                                    guard.check_weights)
+                                    guard.check_weights, comm_hook=comm_hook)
         return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
     finally:
         if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
             run_dir.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _MicroBatch:
+    """What a step keeps of each of its micro-batches (--accum-steps) for the epoch's figures."""
+
+    loss: torch.Tensor  # the micro-batch's mean loss
+    logits: torch.Tensor
+    target: torch.Tensor
+    files: dict  # file bytes, unreadable and very large images (BadImages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from common.meters import SplitTiming
 IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
               "read_ops_per_second", "write_ops_per_second"]
 MIB = 2 ** 20
+T = TypeVar("T")
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,6 +135,17 @@ class StepTimer:
         self.all_data_wait_seconds += wait
         if self.timing:
             self.data_wait_seconds += wait
+
+    def waiting(self, fetch: Callable[[], T]) -> T:
+        """fetch()'s result, its time counted as data wait: a step's later
+        micro-batches (--accum-steps) wait for data inside the step."""
+        started = self.clock()
+        fetched = fetch()
+        wait = self.clock() - started
+        self.all_data_wait_seconds += wait
+        if self.timing:
+            self.data_wait_seconds += wait
+        return fetched
 
     def step_done(self) -> None:
         self.completed += 1

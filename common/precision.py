@@ -57,7 +57,15 @@ class FP32:
 
     def backward_and_step(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
+        self.backward(loss)
+        self.step(optimizer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Add the loss's gradients to the parameters' (--accum-steps calls it per micro-batch)."""
         loss.backward()
+
+    def step(self, optimizer: Optimizer) -> None:
+        """The optimizer step on the gradients backward() added up."""
         optimizer.step()
 
     def status(self) -> dict:
@@ -124,18 +132,19 @@ class MixedPrecision(FP32):
             return contextlib.nullcontext()  # the weights are already half: nothing to cast per op
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: Optimizer) -> None:
-        """Scaled backward and step. An overflowing step is skipped by the scaler
-        (the same on every process: DDP has averaged the gradients already) and
-        halves the scale; the skip is counted on the device, without a host sync."""
-        optimizer.zero_grad(set_to_none=True)
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the scaled loss (the scaler creates its scale tensor on the first call)."""
+        (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
+
+    def step(self, optimizer: Optimizer) -> None:
+        """The step on the scaled gradients. An overflowing step is skipped by
+        the scaler (the same on every process: DDP has averaged the gradients
+        already) and halves the scale; the skip is counted on the device,
+        without a host sync."""
         if not self.scaler.is_enabled():
-            loss.backward()
             optimizer.step()
             return
-        scaled_loss = self.scaler.scale(loss)  # (creates the scaler's scale tensor on the first call)
         scale_before = self.scaler._scale.clone()  # private, but reading it avoids a host sync per step
-        scaled_loss.backward()
         self.scaler.step(optimizer)
         self.scaler.update()
         skipped = (self.scaler._scale < scale_before).to(torch.int64)
