@@ -326,8 +326,9 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: 1)")
     group.add_argument("--powersgd-start-step", type=positive_int, default=None, metavar="N",
                        help="optimizer steps with plain all-reduces before PowerSGD compresses (default: 1000)")
-    group.add_argument("--bucket-cap-mb", type=positive_float, default=25.0, metavar="MB",
-                       help="DDP's gradient bucket size: larger buckets, fewer all-reduces with less overlap")
+    group.add_argument("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
+                       help="DDP's gradient bucket size: larger buckets, fewer all-reduces with less overlap "
+                            "(default: DDP's, 25 MB with a first bucket of 1 MiB; a size given caps every bucket)")
     group.add_argument("--static-graph", action="store_true",
                        help="tell DDP the same parameters get gradients every step (lets it skip per-step checks)")
     group.add_argument("--multiprocessing-distributed", action="store_true",

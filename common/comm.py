@@ -42,13 +42,14 @@ class CommHook:
     state: Optional[object] = None  # a PowerSGDState for powersgd; None for the stateless hooks
     layout: Optional["_BucketLayout"] = None  # PowerSGD's: its per-bucket state kept valid when DDP rebuckets
 
-    def describe(self, bucket_cap_mb: float, static_graph: bool) -> str:
+    def describe(self, bucket_cap_mb: Optional[float], static_graph: bool) -> str:
         what = {"none": "fp32 all-reduce", "fp16": "gradients all-reduced in fp16",
                 "bf16": "gradients all-reduced in bf16"}.get(self.name)
         if self.name == "powersgd":
             what = (f"PowerSGD rank {self.state.matrix_approximation_rank} after "
                     f"{self.state.start_powerSGD_iter} plain steps, with error feedback")
-        return (f"DDP communication: {what}; buckets of {bucket_cap_mb:g} MB"
+        buckets = f"{bucket_cap_mb:g} MB" if bucket_cap_mb else "DDP's default size (25 MB, the first 1 MiB)"
+        return (f"DDP communication: {what}; buckets of {buckets}"
                 + ("; static graph" if static_graph else ""))
 
     def state_dict(self, ctx: Context) -> Optional[dict]:
@@ -213,8 +214,10 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     # Gradients as views into the buckets: no copy into them before each all-reduce, and one copy less in
     # memory (the gradients' size: 100 MB for ResNet-50). Static graph: the same parameters get gradients
     # every step, which lets DDP skip its per-step search for unused ones.
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb,
-                                              gradient_as_bucket_view=True, static_graph=cfg.static_graph)
+    # --bucket-cap-mb only when given: DDP's own default keeps a small first bucket, which any size given drops.
+    size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                              static_graph=cfg.static_graph, **size)
     hook = CommHook(cfg.ddp_comm_hook)
     if cfg.ddp_comm_hook in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

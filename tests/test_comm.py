@@ -68,7 +68,8 @@ def test_ddp_accumulating_two_micro_batches_equals_the_larger_batch(data, tmp_pa
     # cannot differ from the larger batch's; only the summation order does.
     common = [data, *MODEL, "-j", "0", "--lr", "1", "--epochs", "2", "--nproc-per-node", "2"]
     big = run_script([REPO / "imagenet_ddp.py", *common, "-b", "8", "--logdir", tmp_path / "big"], env_extra=ENV)
-    micro = run_script([REPO / "imagenet_ddp.py", *common, "-b", "4", "--accum-steps", "2",
+    # With DDP's static graph too: its no_sync() steps must leave the gradients to add up as well.
+    micro = run_script([REPO / "imagenet_ddp.py", *common, "-b", "4", "--accum-steps", "2", "--static-graph",
                         "--logdir", tmp_path / "micro"], env_extra=ENV)
     assert big.returncode == 0 and micro.returncode == 0, big.stderr + micro.stderr
     big_run, micro_run = single_run_dir(tmp_path / "big"), single_run_dir(tmp_path / "micro")
