@@ -87,7 +87,8 @@ class Config:
     ddp_comm_hook: str = "none"  # none | fp16 | bf16 | powersgd: what DDP sends (common.comm)
     powersgd_rank: Optional[int] = None  # None: common.comm.POWERSGD_RANK
     powersgd_start_step: Optional[int] = None  # None: common.comm.POWERSGD_START_STEP
-    bucket_cap_mb: Optional[float] = None  # DDP's gradient bucket size; None: its default (25 MB, the first 1 MiB)
+    # DDP's gradient bucket size in MB; None: DDP's default (25 MB, and a first bucket of 1 MiB)
+    bucket_cap_mb: Optional[float] = None
     static_graph: bool = False  # DDP's static_graph: the same parameters train every step
 
     def to_dict(self) -> dict:

@@ -577,3 +577,127 @@ def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp
     assert "target <= +0.5 s: target at 1,281,000 images)" in said  # no verdict below ImageNet's size
     inode = files[0].stat().st_ino
     assert data_scale.hardlinked_tree(tmp_path / "cache", 10, 20) == tree and files[0].stat().st_ino == inode  # reused
+
+
+# --- the comm and scaling sections (common/tools/comm_bench.py) ---
+
+def test_bus_bandwidth_is_nccl_tests_definition_and_comm_rows_come_one_per_size():
+    assert bench.bus_bandwidth(10.0, 2) == 10.0  # 2(n-1)/n = 1
+    assert bench.bus_bandwidth(10.0, 8) == 17.5  # 2 * 7 / 8
+    # Two repeats of two sizes: the median time (of two: their mean), algbw = bytes / time, busbw from it.
+    measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 100.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]},
+                    {"sizes": [{"size_bytes": 4096, "time_us": 300.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]}]
+    rows = bench.comm_rows(measurements, None, 4, "gloo", [4096, 1 << 20])
+    assert [(row["section"], row["config"], row["size_bytes"], row["repeats"]) for row in rows] == [
+        ("comm", "all_reduce 4 KiB", 4096, 2), ("comm", "all_reduce 1 MiB", 1 << 20, 2)]
+    assert rows[0]["time_us"] == 200.0 and rows[0]["spread_percent"] == 100.0  # (300 - 100) / 200
+    assert rows[0]["algbw_gbytes_per_s"] == round(4096 / 200e-6 / 1e9, 4) == 0.0205
+    assert rows[1]["algbw_gbytes_per_s"] == 1.0486 and rows[1]["busbw_gbytes_per_s"] == 1.5729  # x 2 * 3 / 4
+    assert all(tuple(row) == bench.FIELDS and row["world_size"] == 4 and row["backend"] == "gloo" for row in rows)
+    assert bench.comm_lines(rows)[0].startswith("comm: all-reduce among 4 processes (gloo): latency 200.0 us at "
+                                                "4 KiB, busbw 1.573 GB/s at 1 MiB")
+
+
+def test_a_failed_comm_measurement_gives_rows_saying_why(monkeypatch):
+    def failing(spec, gpu=None):
+        raise bench.ChildFailed(["python"], 1, "Traceback ...\nRuntimeError: Connection refused\n")
+
+    monkeypatch.setattr(bench, "run_child", failing)
+    rows = bench.comm_section(settings(comm_sizes=(4096, 65536), repeats=2))
+    assert [(row["config"], row["time_us"], row["busbw_gbytes_per_s"], row["note"]) for row in rows] == [
+        (f"all_reduce {size}", "", "", "failed in repeat 1: exit 1: RuntimeError: Connection refused")
+        for size in ("4 KiB", "64 KiB")]
+
+
+def test_the_comm_sections_csv_is_the_scaling_models_measured_link(tmp_path):
+    """Round trip: the rows the comm section writes, read by common.tools.scaling --comm-csv."""
+    from common.tools import scaling
+
+    measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 40.0}, {"size_bytes": 16 << 20, "time_us": 20000.0}]}]
+    path = tmp_path / "comm.csv"
+    bench.write_csv(bench.comm_rows(measurements, None, 4, "nccl", [4096, 16 << 20]), path)
+    links = scaling.links_from_comm_csv(path, scaling.H100_LINKS)
+    # busbw of the largest size: 16 MiB / 20 ms x 2 * 3 / 4 = 1.258 GB/s (4 decimals in the CSV).
+    assert links.intra_node_bytes_per_second == pytest.approx(1.2583e9)
+    assert links.intra_node_latency_seconds == pytest.approx(40e-6 / 6)  # the smallest size's time over 2(n-1) steps
+    assert links.inter_node_bytes_per_second == scaling.H100_LINKS.inter_node_bytes_per_second  # one machine: intra
+    # And through the command line.
+    done = run_command([sys.executable, "-m", "common.tools.scaling", "--step-ms", "100", "-a", "resnet18", "-b", "32",
+                        "--gpus", "1,2,4", "--gpus-per-node", "4", "--comm-csv", path, "--hooks", "none",
+                        "--out", tmp_path / "predicted.csv", "--no-figure"], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "predicted.csv", newline="") as handle:
+        predicted = {int(row["gpus"]): row for row in csv.DictReader(handle)}
+    # At 4 GPUs each bucket's ring takes 1.5 x its bytes / busbw plus 6 steps of 40/6 us: 0.04 ms a bucket.
+    four = predicted[4]
+    assert float(four["comm_ms"]) == pytest.approx(
+        1.5 * float(four["comm_bytes_per_step"]) / 1.2583e9 * 1000 + 0.04 * int(four["buckets"]), rel=0.01)
+    assert float(four["comm_bytes_per_step"]) == pytest.approx(46.8e6, rel=0.01)  # ResNet-18's 11.7 M fp32 gradients
+
+
+def test_exposed_communication_is_the_step_less_the_same_step_without_synchronisation(monkeypatch):
+    assert bench.split_step(500.0, 320.0) == {"ms_per_step": 500.0, "compute_ms": 320.0, "exposed_comm_ms": 180.0,
+                                              "data_wait_ms": 0.0}
+    assert bench.split_step(500.0, 320.0, 20.0)["compute_ms"] == 300.0  # data wait is not compute
+    asked = []
+    figures = {"1": (100.0, 100.0), "none": (300.0, 110.0), "fp16": (200.0, 110.0), "bf16": (200.0, 112.0),
+               "powersgd": (150.0, 120.0)}
+
+    def measured(spec, gpu=None):
+        asked.append((spec["world_size"], spec["hook"]))
+        sync, alone = figures["1" if spec["world_size"] == 1 else spec["hook"]]
+        return {"sync_ms": sync, "no_sync_ms": alone, "peak_memory_mib": 10.0}
+
+    monkeypatch.setattr(bench, "run_child", measured)
+    monkeypatch.setattr(bench, "training_gflop_per_image", lambda arch, size: 0.1)
+    rows = bench.scaling_section(settings(comm_world_size=2))
+    assert asked == [(1, "none"), (2, "none"), (2, "fp16"), (2, "bf16"), (2, "powersgd")]
+    assert [(row["config"], row["ms_per_step"], row["compute_ms"], row["exposed_comm_ms"], row["data_wait_ms"])
+            for row in rows] == [("1 process, hook none", 100.0, 100.0, 0.0, 0.0),
+                                 ("2 processes, hook none", 300.0, 110.0, 190.0, 0.0),
+                                 ("2 processes, hook fp16", 200.0, 110.0, 90.0, 0.0),
+                                 ("2 processes, hook bf16", 200.0, 112.0, 88.0, 0.0),
+                                 ("2 processes, hook powersgd", 150.0, 120.0, 30.0, 0.0)]
+    assert rows[1]["images_per_second"] == pytest.approx(2 * 16 * 1000 / 300.0, abs=0.01)  # both processes' images
+    assert "--powersgd-start-step 2" in rows[4]["command"] and rows[0]["note"].startswith("data wait 0")
+
+
+def test_comm_flags_mistakes_are_one_line(tmp_path):
+    with pytest.raises(UsageError, match="--comm-world-size: 1 process: communication needs at least 2"):
+        bench.main(["--device", "cpu", "--sections", "comm", "--comm-world-size", "1", "--csv", str(tmp_path / "x")])
+    with pytest.raises(UsageError, match="--comm-sizes: expected a size like 4KiB, 64MiB or bytes"):
+        bench.main(["--device", "cpu", "--sections", "comm", "--comm-sizes", "4 parsecs"])
+    assert bench.parse_size("64MiB") == 64 << 20 and bench.parse_size("4KiB") == 4096 and bench.parse_size("512") == 512
+
+
+def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
+    """Two processes on this machine (gloo): an all-reduce of 4 KiB and 64 KiB, then a tiny DDP step."""
+    csv_path = tmp_path / "bench.csv"
+    completed = run_command([sys.executable, "-m", "common.tools.bench", "--device", "cpu", "--sections", "comm",
+                             "--comm-sizes", "4KiB", "64KiB", "--csv", csv_path], timeout=300)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = json_rows(completed.stdout)
+    assert [(row["config"], row["world_size"], row["backend"]) for row in rows] == [
+        ("all_reduce 4 KiB", 2, "gloo"), ("all_reduce 64 KiB", 2, "gloo")]
+    for row in rows:
+        assert 0 < row["time_us"] < 1e6
+        # (the row's figures are rounded: busbw to 4 decimals, tiny at 4 KiB)
+        assert row["busbw_gbytes_per_s"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9, rel=0.01,
+                                                          abs=1e-4)
+    assert "comm: all-reduce among 2 processes (gloo): latency " in completed.stdout
+
+
+@pytest.mark.slow  # five sets of processes training ResNet-18 at 64 px (about 40 s on 2 cores)
+def test_the_scaling_section_splits_real_ddp_steps(tmp_path):
+    csv_path = tmp_path / "bench.csv"
+    completed = run_command([sys.executable, "-m", "common.tools.bench", "--device", "cpu", "--sections", "scaling",
+                             "--csv", csv_path], timeout=600)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    rows = json_rows(completed.stdout)
+    assert [(row["world_size"], row["hook"]) for row in rows] == [(1, "none")] + [
+        (2, hook) for hook in ("none", "fp16", "bf16", "powersgd")]
+    for row in rows:
+        assert row["ms_per_step"] == pytest.approx(row["compute_ms"] + row["exposed_comm_ms"] + row["data_wait_ms"],
+                                                   abs=0.02)
+        assert row["compute_ms"] > 0 and row["data_wait_ms"] == 0
+    assert all(row["exposed_comm_ms"] > 0 for row in rows[1:])  # two processes exchange 44.6 MiB a step over gloo

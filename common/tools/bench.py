@@ -1,10 +1,10 @@
 """Speed, measured side by side against the plain reference, in one run.
 
-    make bench                                     # the CPU harness (ResNet-18, batch 32): ~6 minutes on 2 cores
+    make bench                                     # the CPU harness (ResNet-18, batch 32): ~7 minutes on 2 cores
     python -m common.tools.bench --device cuda           # on a GPU: ResNet-50, batch 256, 3 repeats of everything
     python -m common.tools.bench --sections input --data /path/to/imagenet --workers 4 8 16
 
-Three sections. Each configuration is measured --repeats times, each time in a
+Each configuration is measured --repeats times, each time in a
 fresh process (so peak memory is its own), the repeats taken round-robin over
 the section's configurations (a drift of the machine's speed spreads over all
 alike); a row reports the median of its repeats and their spread. The input
@@ -27,6 +27,13 @@ meets the same warm file cache.
                backend of --backends (`--data-backend B`), beside the same
                configuration on synthetic data in the same rounds: real over
                synthetic says how input-bound training is.
+  data-scale   an ImageNet-sized file list's start-up time and memory (data_scale).
+  comm         all-reduce time, algbw and busbw (nccl-tests' definitions)
+               against message size among --comm-world-size processes it
+               starts (gloo on the CPU, nccl on GPUs; comm_bench).
+  scaling      a DDP step at 1 and --comm-world-size processes, per
+               communication hook, split into compute, exposed communication
+               (the step less the same step under no_sync()) and data wait.
 
 Beside each row: on a GPU, its SM clock, power draw, temperature and clock
 event (throttle) reasons, sampled from nvidia-smi while the row's processes
@@ -77,7 +84,11 @@ FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "p
           "peak_tflops", "mfu_percent", "peak_memory_mib", "measured_steps", "warmup_steps", "sm_clock_mhz",
           "power_w", "temperature_c", "throttle_reasons", "gpu_samples", "device_name", "cpu_threads", "torch",
           "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note",
-          "seconds", "list_mib", "worker_copied_mib")  # the last three: the data-scale section's (data_scale)
+          "seconds", "list_mib", "worker_copied_mib",  # the data-scale section's (data_scale)
+          # the comm and scaling sections' (comm_bench): all-reduce times and bandwidths (nccl-tests' algbw,
+          # busbw), and a DDP step split into compute, exposed communication and data wait
+          "world_size", "backend", "hook", "size_bytes", "time_us", "algbw_gbytes_per_s", "busbw_gbytes_per_s",
+          "compute_ms", "exposed_comm_ms", "data_wait_ms")
 
 # (config name, script, extra flags): the entry scripts' configurations of the train section.
 # imagenet_ddp*.py run as one process here; on a GPU imagenet_dp.py is DataParallel over one GPU.
@@ -139,6 +150,8 @@ class Settings:
     measure_emulated: bool = False  # time half-precision configurations this device only emulates (slowly)
     peak_tflops: Optional[float] = None  # the device's peak for MFU, instead of GPU_PEAK_TFLOPS's
     gpu: Optional["GpuMonitor"] = None  # samples the GPU's state while each measured process runs
+    comm_world_size: int = 2  # processes of the comm and scaling sections
+    comm_sizes: Sequence[int] = ()  # all-reduce sizes (bytes) of the comm section
 
     @property
     def synthetic_workers(self) -> int:
@@ -313,7 +326,20 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
 
 
 def child(spec: dict) -> dict:
-    """The measurement `spec` asks for, in this process."""
+    """The measurement `spec` asks for, in this process (for comm and scaling:
+    in spec["world_size"] processes it starts, common.tools.comm_bench)."""
+    if spec["kind"] in ("comm", "scaling"):
+        from common import cli, launch
+        from common.tools import comm_bench
+
+        spec = dict(spec, init_method=f"tcp://127.0.0.1:{launch.free_local_port()}")
+        if spec["kind"] == "comm":
+            return {"sizes": comm_bench.spawned("comm", spec)}
+        flags = ["--synthetic", "-a", spec["arch"], "-b", str(spec["batch_size"]), "--image-size",
+                 str(spec["image_size"]), "--ddp-comm-hook", spec["hook"]]
+        if spec["hook"] == "powersgd":  # compressing from the second step: within the measured ones
+            flags += ["--powersgd-start-step", str(SCALING_POWERSGD_START_STEP)]
+        return comm_bench.spawned("scaling", spec, cli.parse("ddp", flags))
     if spec["kind"] == "reference-train":
         return reference_train_loop(spec["arch"], spec["batch_size"], spec["image_size"], spec["device"],
                                     spec["warmup_steps"], spec["steps"])
@@ -641,6 +667,9 @@ def measure_section(planned: Sequence[Planned], repeats: int, settings: Settings
             for index, configuration in enumerate(planned)]
 
 
+SPLIT_FIELDS = ("compute_ms", "exposed_comm_ms", "data_wait_ms")
+
+
 def summarize(measurements: Sequence[dict]) -> dict:
     """One row's figures from its repeats: the median images/s and ms/step,
     the lowest and highest images/s and their spread ((max - min) / median,
@@ -657,6 +686,9 @@ def summarize(measurements: Sequence[dict]) -> dict:
                    else "",  # none of one measurement, nor around 0
                    ms_per_step=statistics.median(measured["ms_per_step"] for measured in measurements),
                    peak_memory_mib=max(measured["peak_memory_mib"] for measured in measurements))
+    for key in SPLIT_FIELDS:  # the scaling section's split of the step: medians like the step's
+        if all(key in measured for measured in measurements):
+            summary[key] = statistics.median(measured[key] for measured in measurements)
     if "images_per_second_per_worker" in summary:
         summary["images_per_second_per_worker"] = statistics.median(
             measured["images_per_second_per_worker"] for measured in measurements)
@@ -668,7 +700,9 @@ def summarize(measurements: Sequence[dict]) -> dict:
 
 ROUNDED = {"images_per_second": 2, "images_per_second_per_worker": 2, "ms_per_step": 2, "peak_memory_mib": 2,
            "images_per_second_min": 2, "images_per_second_max": 2, "spread_percent": 2, "gflop_per_image": 3,
-           "mfu_percent": 2, "seconds": 2, "list_mib": 2, "worker_copied_mib": 3}
+           "mfu_percent": 2, "seconds": 2, "list_mib": 2, "worker_copied_mib": 3,
+           "time_us": 1, "algbw_gbytes_per_s": 4, "busbw_gbytes_per_s": 4, "compute_ms": 2, "exposed_comm_ms": 2,
+           "data_wait_ms": 2}
 
 
 def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], settings: Settings) -> dict:
@@ -824,6 +858,131 @@ def end_to_end_section(settings: Settings, logdir: Path, root: str,
     return measure_section(planned, settings.repeats, settings, save)
 
 
+def parse_size(text: str) -> int:
+    """'4KiB', '64MiB', '1GiB' or plain bytes -> bytes (--comm-sizes)."""
+    match = re.fullmatch(r"(\d+)\s*(B|KiB|MiB|GiB)?", text.strip())
+    if not match or int(match.group(1)) < 4:
+        raise argparse.ArgumentTypeError(f"expected a size like 4KiB, 64MiB or bytes (at least 4), got {text!r}")
+    return int(match.group(1)) * {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[match.group(2)]
+
+
+def size_name(size_bytes: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size_bytes >= factor and size_bytes % factor == 0:
+            return f"{size_bytes // factor} {unit}"
+    return f"{size_bytes} B"
+
+
+def bus_bandwidth(algbw: float, world_size: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth (common.tools.comm_bench.bus_bandwidth,
+    here without importing torch): algbw x 2(n-1)/n."""
+    return algbw * 2 * (world_size - 1) / world_size
+
+
+def comm_rows(measurements: Sequence[dict], failure: Optional[str], world_size: int, backend: str,
+              sizes: Sequence[int]) -> List[dict]:
+    """One row per all-reduce size from the repeats' measurements ({"sizes":
+    [{size_bytes, time_us}, ...]} each): the median time, algbw = bytes / time,
+    busbw = algbw x 2(n-1)/n, the spread of the times; the failure, if any, in
+    every row's note (rows without figures when nothing was measured)."""
+    rows = []
+    for size in sizes:
+        times = [found["time_us"] for measured in measurements for found in measured["sizes"]
+                 if found["size_bytes"] == size]
+        fields = dict(section="comm", config=f"all_reduce {size_name(size)}", world_size=world_size, backend=backend,
+                      command=f"torch.distributed.all_reduce, float32, {world_size} processes (common.tools.comm_bench)",
+                      size_bytes=size, note=failure or "")
+        if times:
+            median = statistics.median(times)
+            algbw = size / (median * 1e-6)
+            fields.update(time_us=median, repeats=len(times), algbw_gbytes_per_s=algbw / 1e9,
+                          busbw_gbytes_per_s=bus_bandwidth(algbw, world_size) / 1e9,
+                          spread_percent=100.0 * (max(times) - min(times)) / median if len(times) > 1 else "")
+        row = record(**fields)
+        row.update({key: value for key, value in versions().items() if not row.get(key)})
+        rows.append({key: round(value, ROUNDED[key]) if key in ROUNDED and isinstance(value, float) else value
+                     for key, value in row.items()})
+    return rows
+
+
+def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """All-reduce of each size of settings.comm_sizes among settings.comm_world_size
+    processes on this machine, the backend the device uses (gloo on the CPU,
+    nccl on GPUs), settings.repeats times, each a fresh set of processes."""
+    world, backend = settings.comm_world_size, ("nccl" if settings.device == "cuda" else "gloo")
+    on_gpu = settings.device == "cuda"
+    spec = {"kind": "comm", "world_size": world, "backend": backend, "sizes": list(settings.comm_sizes),
+            "warmup": 5 if on_gpu else 2, "iterations": 50 if on_gpu else 20, "budget_seconds": 2.0 if on_gpu else 1.0,
+            "threads": max(1, (os.cpu_count() or 1) // world)}
+    print(f"comm: all-reduce among {world} processes ({backend}), {len(spec['sizes'])} sizes from "
+          f"{size_name(min(spec['sizes']))} to {size_name(max(spec['sizes']))}", flush=True)
+    measurements, failure = [], None
+    for round_ in range(1, settings.repeats + 1):
+        try:
+            measured = run_child(spec, settings.gpu)
+        except ChildFailed as error:
+            failure = f"failed in repeat {round_}: {error.reason}"
+            print(f"comm: {error}", flush=True)
+            break
+        measurements.append(measured)
+        for found in measured["sizes"]:
+            algbw = found["size_bytes"] / (found["time_us"] * 1e-6)
+            print(f"comm all_reduce {size_name(found['size_bytes'])}: {found['time_us']:.1f} us, algbw "
+                  f"{algbw / 1e9:.3f} GB/s, busbw {bus_bandwidth(algbw, world) / 1e9:.3f} GB/s (repeat {round_} of "
+                  f"{settings.repeats}, process {measured.get('process', '?')})", flush=True)
+        if save is not None and round_ < settings.repeats:
+            save(comm_rows(measurements, None, world, backend, spec["sizes"]))
+    return [emit(row) for row in comm_rows(measurements, failure, world, backend, spec["sizes"])]
+
+
+# The scaling section's workload on the CPU: ResNet-18 at 64 px, 16 images per process (a third of a second a
+# step on one core: its 5 configurations take about a minute); on a GPU the train section's model and batch.
+SCALING_CPU = {"batch_size": 16, "image_size": 64, "warmup": 2, "steps": 4}
+SCALING_GPU_STEPS = {"warmup": 10, "steps": 20}
+SCALING_HOOKS = ("none", "fp16", "bf16", "powersgd")
+SCALING_POWERSGD_START_STEP = 2  # the first step PowerSGD may compress at (common.comm): within the warm-up
+
+
+def split_step(sync_ms: float, no_sync_ms: float, data_wait_ms: float = 0.0) -> dict:
+    """A DDP step split three ways: exposed communication = the step with
+    gradient synchronisation less the same step without it (no_sync()); data
+    wait = the time the step waited for input (0 with tensors already on the
+    device); compute = the rest of the step without synchronisation."""
+    return {"ms_per_step": sync_ms, "compute_ms": no_sync_ms - data_wait_ms, "exposed_comm_ms": sync_ms - no_sync_ms,
+            "data_wait_ms": data_wait_ms}
+
+
+def _scaling_measure(spec: dict, gpu: Optional["GpuMonitor"]) -> dict:
+    measured = run_child(spec, gpu)
+    split = split_step(measured["sync_ms"], measured["no_sync_ms"])
+    return dict(measured, **split, images_per_second=spec["world_size"] * spec["batch_size"] * 1000.0 / split[
+        "ms_per_step"])
+
+
+def scaling_section(settings: Settings, save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """A DDP training step at 1 process and at settings.comm_world_size, with
+    each communication hook at the latter (a hook at 1 process is refused):
+    its time split into compute, exposed communication and data wait
+    (split_step). Synthetic tensors on the device: no data wait, by construction."""
+    on_gpu = settings.device == "cuda"
+    workload = dict(arch=settings.arch, batch_size=settings.batch_size, image_size=settings.image_size,
+                    **SCALING_GPU_STEPS) if on_gpu else dict(arch=settings.arch, **SCALING_CPU)
+    backend = "nccl" if on_gpu else "gloo"
+    planned = []
+    for world, hook in [(1, "none")] + [(settings.comm_world_size, hook) for hook in SCALING_HOOKS]:
+        spec = dict(workload, kind="scaling", world_size=world, backend=backend, hook=hook,
+                    threads=max(1, (os.cpu_count() or 1) // world) if not on_gpu else 1)
+        fields = dict(section="scaling", config=f"{world} process{'es' if world > 1 else ''}, hook {hook}",
+                      world_size=world, backend=backend, hook=hook, arch=workload["arch"],
+                      batch_size=workload["batch_size"], image_size=workload["image_size"], data_backend="synthetic",
+                      workers=0, measured_steps=workload["steps"], warmup_steps=workload["warmup"],
+                      command="common.tools.comm_bench.ddp_step_times: common.comm.distributed_model"
+                              + (f", --powersgd-start-step {SCALING_POWERSGD_START_STEP}" if hook == "powersgd" else ""),
+                      note="data wait 0: synthetic tensors on the device")
+        planned.append(Planned(f"{world} x hook {hook}", fields, functools.partial(_scaling_measure, spec, settings.gpu)))
+    return measure_section(planned, settings.repeats, settings, save)
+
+
 def backend_missing(backend: str) -> str:
     """Why a data backend cannot run here ('' when it can): DALI is an optional package."""
     if backend != "dali":
@@ -954,6 +1113,32 @@ def write_csv(rows: List[dict], path: Path) -> None:
 
 
 FAKE_CLASSES = 8
+SECTIONS = ("train", "input", "end-to-end", "data-scale", "comm", "scaling")
+
+
+def comm_sizes_default(gpu: bool) -> Tuple[int, ...]:
+    """4 KiB to 64 MiB by 16x on GPUs (nccl-tests' range, trimmed to DDP's buckets and the latency end);
+    to 16 MiB on the CPU, where gloo's larger sizes take seconds."""
+    return tuple(4096 << (4 * power) for power in range(5 if gpu else 4))
+
+
+def comm_lines(rows: List[dict]) -> List[str]:
+    """The comm section's summary (its smallest size's time is the latency, its largest
+    size's busbw the bandwidth) and the scaling section's split, one line each."""
+    lines = []
+    comm = [row for row in rows if row["section"] == "comm" and as_number(row.get("time_us")) is not None]
+    if comm:
+        small, large = min(comm, key=lambda row: int(row["size_bytes"])), max(comm, key=lambda row: int(row["size_bytes"]))
+        lines.append(f"comm: all-reduce among {large['world_size']} processes ({large['backend']}): latency "
+                     f"{float(small['time_us']):.1f} us at {size_name(int(small['size_bytes']))}, busbw "
+                     f"{float(large['busbw_gbytes_per_s']):.3f} GB/s at {size_name(int(large['size_bytes']))} "
+                     f"(python -m common.tools.scaling --comm-csv reads these rows as the link)")
+    for row in rows:
+        if row["section"] == "scaling" and as_number(row.get("ms_per_step")) is not None:
+            lines.append(f"scaling: {row['config']}: {float(row['ms_per_step']):.1f} ms/step = compute "
+                         f"{float(row['compute_ms']):.1f} + exposed communication {float(row['exposed_comm_ms']):.1f} "
+                         f"+ data wait {float(row['data_wait_ms']):.1f} ms")
+    return lines
 
 
 def fake_imagenet_per_class(settings: Settings) -> int:
@@ -978,10 +1163,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m common.tools.bench", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--sections", nargs="+", choices=("train", "input", "end-to-end", "data-scale"),
-                        default=["train", "input", "end-to-end", "data-scale"],
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="data-scale: an ImageNet-sized file list's start-up time and memory (common/tools/"
-                             "data_scale.py), on a tree of hard links built once into --data-cache")
+                             "data_scale.py), on a tree of hard links built once into --data-cache; comm: all-reduce "
+                             "bandwidth against message size among --comm-world-size processes; scaling: a DDP step "
+                             "at 1 and --comm-world-size processes split into compute, exposed communication and "
+                             "data wait, per communication hook (common/tools/comm_bench.py)")
+    parser.add_argument("--comm-world-size", type=positive_int, default=None, metavar="N",
+                        help="processes of the comm and scaling sections (default: the GPUs of this machine on a "
+                             "GPU, 2 on the CPU)")
+    parser.add_argument("--comm-sizes", type=parse_size, nargs="+", default=None, metavar="SIZE",
+                        help="all-reduce sizes of the comm section, like 4KiB 1MiB 64MiB (default: 4KiB to 64MiB by "
+                             "16x on a GPU; to 16MiB on the CPU)")
     parser.add_argument("--data-scale", type=positive_int, nargs=2, default=[1000, 1281],
                         metavar=("CLASSES", "PER_CLASS"), help="the data-scale section's tree: ImageNet's shape by "
                                                                "default (1,281,000 training images)")
@@ -994,7 +1187,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measurements of each configuration, each in a fresh process, round-robin over the "
                              "section's configurations; a row reports their median and spread (default: 3 on a GPU; "
                              "on the CPU 3 in the input section and 1 in the train and end-to-end sections, which "
-                             "keeps `make bench` near 6 minutes on 2 cores)")
+                             "keeps `make bench` near 7 minutes on 2 cores)")
     parser.add_argument("--workers", type=non_negative_int, nargs="+", default=None,
                         help="data-loading worker counts of the input section (default: 1 2 on the CPU, "
                              "4 8 12 on a GPU machine); the end-to-end section uses the largest")
@@ -1063,6 +1256,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         repeats=args.repeats or (3 if gpu else 1), input_repeats=args.repeats or 3,
         backends=args.backends or (END_TO_END_BACKENDS if gpu else ("torchvision",)),
         measure_emulated=args.measure_emulated, peak_tflops=args.peak_tflops, gpu=monitor)
+    if {"comm", "scaling"} & set(args.sections):
+        world = args.comm_world_size or (torch.cuda.device_count() if gpu else 2)
+        if world < 2:
+            raise UsageError(f"argument --comm-world-size: {world} process{'' if world == 1 else 'es'}: communication "
+                             f"needs at least 2" + (" (this machine has one GPU: give --comm-world-size 2 to put two "
+                                                    "processes on it)" if gpu and args.comm_world_size is None else ""))
+        if gpu and world > torch.cuda.device_count():
+            raise UsageError(f"argument --comm-world-size: {world} processes, one per GPU, but "
+                             f"{torch.cuda.device_count()} GPU(s) are visible")
+        settings = dataclasses.replace(settings, comm_world_size=world, comm_sizes=tuple(sorted(set(
+            args.comm_sizes or (comm_sizes_default(gpu))))))
     if args.data is not None and not Path(args.data, "train").is_dir():
         raise UsageError(f"argument --data: {args.data} has no train/ folder")
     stamp = time.strftime("%Y%m%d_%H%M%S")
@@ -1089,13 +1293,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sections = {"train": lambda: train_section(settings, Path(logdir), args.compile, args.configs, save),
                     "input": lambda: input_section(settings, root, save),
                     "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save),
-                    "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale)}
-        for section in ("train", "input", "end-to-end", "data-scale"):
+                    "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale),
+                    "comm": lambda: comm_section(settings, save),
+                    "scaling": lambda: scaling_section(settings, save)}
+        for section in SECTIONS:
             if section in args.sections:
                 rows += sections[section]()
                 write_csv(rows, csv_path)
     print(f"\n{len(rows)} configurations written to {csv_path}", flush=True)
     for line in ratios(rows) + data_scale.data_scale_lines(rows):
+        print(line, flush=True)
+    for line in comm_lines(rows):
         print(line, flush=True)
     failed = [row["config"] + (f" ({row['data_backend']})" if row["section"] == "end-to-end" else "")
               for row in rows if "failed in repeat" in str(row["note"])]

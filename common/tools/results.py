@@ -208,8 +208,10 @@ def bench_section(paths: Sequence[str]) -> str:
                 if any(_present(rows, "repeats") for _, rows in tables) else "")]
     for path, rows in tables:
         first = rows[0]
-        speed = [row for row in rows if row["section"] != "data-scale"]
+        speed = [row for row in rows if row["section"] not in ("data-scale", "comm", "scaling")]
         scale = [row for row in rows if row["section"] == "data-scale"]
+        comm = [row for row in rows if row["section"] == "comm"]
+        split = [row for row in rows if row["section"] == "scaling"]
         parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
@@ -223,7 +225,21 @@ def bench_section(paths: Sequence[str]) -> str:
                             [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
                               number(as_number(row.get("list_mib")), 1),
                               number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
-        parts += [f"- {line}" for line in _bench_notes(speed) + bench.ratios(speed) + data_scale_lines(scale)]
+        if comm:  # the comm section (common/tools/comm_bench.py): nccl-tests' algbw and busbw
+            parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
+                            [[row["config"] + _note(row), row["world_size"], row["backend"],
+                              number(as_number(row.get("time_us")), 1),
+                              number(as_number(row.get("algbw_gbytes_per_s")), 3),
+                              number(as_number(row.get("busbw_gbytes_per_s")), 3)] for row in comm]), ""]
+        if split:  # the scaling section: a DDP step split into compute, exposed communication and data wait
+            parts += [table(["DDP step", "model", "batch per process", "ms/step", "compute (ms)",
+                             "exposed communication (ms)", "data wait (ms)"],
+                            [[row["config"] + _note(row), f"{row['arch']} at {row['image_size']} px", row["batch_size"],
+                              number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
+                              number(as_number(row.get("exposed_comm_ms")), 1),
+                              number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
+        parts += [f"- {line}" for line in _bench_notes(speed) + bench.ratios(speed) + data_scale_lines(scale)
+                  + bench.comm_lines(comm)]
     return "\n".join(parts)
 
 
