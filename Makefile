@@ -21,6 +21,8 @@ UPSTREAM ?= results/upstream
 NOTES ?= $(if $(filter results/runs,$(RUNS)),--notes results/NOTES.md)
 # Benchmark CSVs (python -m common.tools.bench) whose tables RESULTS.md shows.
 BENCH ?= $(wildcard results/bench/*.csv)
+# The scaling model's predictions and validations (python -m common.tools.scaling, common.tools.link_validation).
+SCALING ?= $(wildcard results/scaling/*.csv)
 
 .PHONY: demo test test-all bench figures venv clean
 
@@ -52,7 +54,7 @@ bench: $(INSTALLED)
 figures: $(INSTALLED)
 	$(PY) -m common.tools.plots $(RUNS) --out figures
 	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) > RESULTS.md.tmp
+	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:

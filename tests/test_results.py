@@ -181,3 +181,20 @@ def test_results_of_a_run_made_under_a_temporary_directory_hold_no_machine_path(
     machine_paths = {str(tmp_path), str(REPO), sys.executable, str(UPSTREAM.resolve())}
     assert not [path for path in machine_paths if path in text]
     assert not re.findall(r"(?<![\w.…])/(?:tmp|home|work|root|usr|opt|var|scratch)\b", text)
+
+
+def test_the_scaling_models_csvs_become_tables_with_the_measured_figures_beside(runs, tmp_path):
+    scaling = REPO / "results" / "scaling"
+    text = results.main([str(runs), "--figures", str(tmp_path), "--scaling", str(scaling / "upstream-v100-hal.csv"),
+                         str(scaling / "h100-8x8.csv"), str(scaling / "validation-b.csv")])
+    section = text[text.index("## Scaling model"):]
+    # Validation A: the upstream's measured efficiency at 64 GPUs, the model's, and the difference.
+    assert ("| HAL as published (EDR 100 Gbit/s, NVLink 2.0), no overlap | fp16 | 64 | 65.1% | 97.1% | +32.0 pp "
+            "| 271.0 |") in section
+    # The H100 preset: only the 64-GPU rows.
+    assert "| DDP defaults (bucket 25 MiB) | none | 64 | 70.56 | 0.56 | 0.00 | 3,628 | 99.2% |" in section
+    assert "| DDP defaults (bucket 25 MiB) | none | 1024 |" not in section
+    # Validation B: measured and predicted step times over the rate-limited link.
+    assert "| 200mbit | 187 | none | 173.9 | 2,077.0 | 2,058.0 | +0.9% | 15%: True |" in section
+    with pytest.raises(results.UsageError, match="argument --scaling: cannot read"):
+        results.main([str(runs), "--scaling", str(tmp_path / "missing.csv")])

@@ -297,6 +297,58 @@ def _present(rows: List[dict], column: str) -> bool:
     return any(row.get(column, "") != "" for row in rows)
 
 
+SCALING_GPU_COUNTS = ("64",)  # the model's rows RESULTS.md shows (its CSV has 1 to 1,024 GPUs)
+
+
+def scaling_section(paths: Sequence[str], figures: Path) -> str:
+    """The scaling model's CSVs (python -m common.tools.scaling) and Validation
+    B's (python -m common.tools.link_validation), a table each: predictions
+    beside the measured efficiencies where the CSV has them, else the rows at
+    SCALING_GPU_COUNTS GPUs."""
+    import csv
+
+    parts = ["## Scaling model", "",
+             "Predicted by `python -m common.tools.scaling` (docs/scaling.md: how, and what each input is); "
+             "measured figures beside the predictions where there are some. Regenerate the CSVs, do not edit."]
+    if (figures / "scaling_model.png").is_file():
+        parts += ["", f"![scaling model]({(figures / 'scaling_model.png').as_posix()})"]
+    for path in paths:
+        try:
+            with open(path, newline="") as handle:
+                rows = list(csv.DictReader(handle))
+        except OSError as error:
+            raise UsageError(f"argument --scaling: cannot read {path} ({error.strerror})") from None
+        parts += ["", f"### `{portable_path(Path(path).as_posix())}`", ""]
+        if rows and "tbf_rate_mbit" in rows[0]:  # Validation B: DDP steps over a rate-limited link
+            parts += [table(["link (tbf)", "gloo all-reduce (Mbit/s)", "hook", "compute (ms)", "measured (ms/step)",
+                             "predicted (ms/step)", "difference", "within"],
+                            [[row["link"], number(as_number(row["allreduce_busbw_mbit"]), 0), row["hook"],
+                              number(as_number(row["compute_ms"]), 1), number(as_number(row["measured_ms"]), 1),
+                              number(as_number(row["predicted_ms"]), 1),
+                              f"{as_number(row['difference_percent']):+.1f}%",
+                              f"{as_number(row['tolerance_percent']):g}%: {row['within_tolerance']}"]
+                             for row in rows])]
+            continue
+        measured = [row for row in rows if row.get("measured_efficiency_percent")]
+        if measured:  # a validation against measured runs
+            parts += [table(["scenario", "hook", "GPUs", "measured efficiency", "predicted efficiency",
+                             "predicted − measured", "predicted step (ms)"],
+                            [[row["scenario"], row["hook"], row["gpus"],
+                              f"{as_number(row['measured_efficiency_percent']):.1f}%",
+                              f"{as_number(row['efficiency_percent']):.1f}%",
+                              f"{as_number(row['difference_pp']):+.1f} pp", number(as_number(row["step_ms"]), 1)]
+                             for row in measured])]
+            continue
+        shown = [row for row in rows if row["gpus"] in SCALING_GPU_COUNTS]
+        parts += [table(["scenario", "hook", "GPUs", "step (ms)", "exposed communication (ms)", "data wait (ms)",
+                         "images/s per GPU", "efficiency"],
+                        [[row["scenario"], row["hook"], row["gpus"], number(as_number(row["step_ms"]), 2),
+                          number(as_number(row["exposed_comm_ms"]), 2), number(as_number(row["data_wait_ms"]), 2),
+                          number(as_number(row["images_per_second_per_gpu"]), 0),
+                          f"{as_number(row['efficiency_percent']):.1f}%"] for row in shown])]
+    return "\n".join(parts)
+
+
 def _half_support(row: dict) -> str:
     """'capability AVX2: bf16 emulated, fp16 emulated', from the columns bench
     has written since issue 25 (older CSVs: not recorded; results/NOTES.md says)."""
@@ -322,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "made, what to read from them); numbers belong in the logs, not here")
     parser.add_argument("--bench", nargs="+", metavar="CSV", default=None,
                         help="CSV files of python -m common.tools.bench: a benchmark section, one table per file")
+    parser.add_argument("--scaling", nargs="+", metavar="CSV", default=None,
+                        help="CSV files of python -m common.tools.scaling and common.tools.link_validation: the "
+                             "scaling model's section, one table per file")
     parser.add_argument("--figures", default="figures", metavar="DIR",
                         help="folder of the figures (python -m common.tools.plots); links to those that exist")
     return parser
@@ -367,6 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                                              for name in shown])]
     if args.bench:
         out += ["", bench_section(args.bench)]
+    if args.scaling:
+        out += ["", scaling_section(args.scaling, Path(args.figures))]
     if args.notes:
         try:
             out += ["", "## Notes", "", Path(args.notes).read_text().strip()]
