@@ -741,7 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--bucket-cap-mb", type=bucket_cap, default=None,
                      help="DDP's bucket_cap_mb (default: DDP's 25 with a 1 MiB first bucket; 'inf': one bucket)")
     ddp.add_argument("--no-overlap", action="store_true", help="all-reduce after backward (Apex delay_allreduce)")
-    ddp.add_argument("--accumulation-steps", type=positive_int, default=1)
+    ddp.add_argument("--accum-steps", dest="accumulation_steps", type=positive_int, default=1,
+                     help="micro-batches per optimizer step (the scripts' --accum-steps): one exchange per step")
     ddp.add_argument("--optimizer-ms", type=non_negative_float, default=0.0)
     ddp.add_argument("--powersgd-rank", type=positive_int, default=1)
     ddp.add_argument("--powersgd-min-compression-rate", type=positive_float, default=2.0)
