@@ -631,17 +631,23 @@ def write_csv_new(path: Path, rows: Sequence[dict], overwrite: bool) -> None:
             temporary.unlink()
 
 
-def draw_figure(panels: Sequence[Tuple[str, List[dict], Dict[str, Dict[int, float]], str]], path: Path) -> None:
+def draw_figure(panels: Sequence[Tuple[str, List[dict], Dict[str, Dict[int, float]], str]], path: Path,
+                validation: Optional[List[dict]] = None) -> None:
     """Predicted efficiency per hook vs GPUs (log2 x axis), one panel per table
     (title, rows, measured points, the hook the scenarios are drawn with);
     measured points on top. Scenarios after the first are drawn dashed, for
     one hook only (so the panel stays readable); hooks with the same curve
-    (fp16 and bf16 send the same bytes) share a line."""
+    (fp16 and bf16 send the same bytes) share a line. `validation`: Validation
+    B's rows (common.tools.link_validation), a last panel of measured and
+    predicted step times on this machine."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), squeeze=False)
+    count = len(panels) + bool(validation)
+    fig, axes = plt.subplots(1, count, figsize=(7.5 * count, 5.5), squeeze=False)
+    if validation:
+        _draw_validation(axes[0][-1], validation)
     for ax, (title, rows, measured, scenario_hook) in zip(axes[0], panels):
         scenarios = list(dict.fromkeys(row["scenario"] for row in rows))
         curves: Dict[Tuple, List[str]] = {}  # one line per distinct curve, named by every hook that has it
@@ -680,6 +686,26 @@ def draw_figure(panels: Sequence[Tuple[str, List[dict], Dict[str, Dict[int, floa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def _draw_validation(ax, rows: List[dict]) -> None:
+    """Validation B: per link and hook, the measured step (dot) against the
+    model's (cross), and the step without communication (the bars' floor)."""
+    labels = [f"{row['link']}\n{row['hook']}" for row in rows]
+    positions = range(len(rows))
+    ax.bar(positions, [float(row["compute_ms"]) for row in rows], color="0.85", label="compute (no communication)")
+    ax.plot(positions, [float(row["measured_ms"]) for row in rows], "o", color="black", markersize=8,
+            label="measured step")
+    ax.plot(positions, [float(row["predicted_ms"]) for row in rows], "x", color="C3", markersize=10, mew=2,
+            label="predicted step")
+    for position, row in zip(positions, rows):
+        ax.annotate(f"{float(row['difference_percent']):+.1f}%", (position, float(row["measured_ms"])),
+                    textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    ax.set_xticks(list(positions), labels)
+    ax.set(ylabel="ms per step", title=f"Validation B: 2 CPU processes over a tc-limited veth, "
+                                       f"{rows[0]['arch']} b{rows[0]['batch_size']}")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def summary_lines(rows: Sequence[dict], gpus: int) -> List[str]:
@@ -765,6 +791,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     out.add_argument("--figure", default=str(REPO / "figures" / "scaling_model.png"), metavar="PNG")
     out.add_argument("--no-figure", action="store_true")
+    out.add_argument("--validation", default=str(REPO / "results" / "scaling" / "validation-b.csv"), metavar="CSV",
+                     help="Validation B's CSV (python -m common.tools.link_validation), a last panel of the figure "
+                          "when the file exists")
     out.add_argument("--measured", nargs="*", default=None, metavar="LOG_DIR",
                      help="measured runs drawn on the figure (default results/runs: GPU series of several counts)")
     return parser
@@ -846,7 +875,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Path]:
         panels.append((f"{name}: {scenarios[0].arch}, b{scenarios[0].batch_size}/GPU, "
                        f"{scenarios[0].links.gpus_per_node} GPUs/node", rows, measured, compared_hook))
     if not args.no_figure:
-        draw_figure(panels, Path(args.figure))
+        validation = _read_csv(Path(args.validation), "--validation") if Path(args.validation).is_file() else None
+        draw_figure(panels, Path(args.figure), validation)
         print(f"figure: {args.figure}")
         written.append(Path(args.figure))
     return written
