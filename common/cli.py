@@ -326,9 +326,10 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: 1)")
     group.add_argument("--powersgd-start-step", type=positive_int, default=None, metavar="N",
                        help="optimizer steps with plain all-reduces before PowerSGD compresses (default: 1000)")
-    group.add_argument("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
-                       help="DDP's gradient bucket size: larger buckets, fewer all-reduces with less overlap "
-                            "(default: DDP's, 25 MB with a first bucket of 1 MiB; a size given caps every bucket)")
+    group.add_argument("--bucket-cap-mb", type=positive_float, default=None, metavar="MiB",
+                       help="DDP's gradient bucket size, in MiB as DDP counts it: larger buckets, fewer all-reduces "
+                            "with less overlap (default: DDP's, 25 with a first bucket of 1; a size given caps every "
+                            "bucket)")
     group.add_argument("--static-graph", action="store_true",
                        help="tell DDP the same parameters get gradients every step (lets it skip per-step checks)")
     group.add_argument("--multiprocessing-distributed", action="store_true",
@@ -366,6 +367,11 @@ def _check_values(ns: argparse.Namespace) -> None:
                         ("--powersgd-start-step", getattr(ns, "powersgd_start_step", None))):
         if value is not None and hook != "powersgd":
             raise UsageError(f"argument {flag}: only with --ddp-comm-hook powersgd (this run: {hook})")
+    if getattr(ns, "static_graph", False) and ns.accum_steps > 1:
+        # DDP's static graph expects every backward to exchange gradients; torch 2.14 fails an internal
+        # assertion at the first no_sync() backward (pytorch/pytorch#187732).
+        raise UsageError(f"argument --static-graph: not with --accum-steps {ns.accum_steps} (DDP's static graph "
+                         f"cannot skip the exchange of the micro-batches before the last)")
     if (getattr(ns, "powersgd_start_step", None) or 2) < 2:
         raise UsageError("argument --powersgd-start-step: 1 is below 2 (DDP settles its buckets in the first "
                          "steps, before PowerSGD can keep state for them)")

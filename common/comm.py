@@ -26,6 +26,7 @@ from torch import nn
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
+from common.models import unwrap
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 POWERSGD_RANK = 1  # torch's default matrix_approximation_rank
@@ -48,7 +49,7 @@ class CommHook:
         if self.name == "powersgd":
             what = (f"PowerSGD rank {self.state.matrix_approximation_rank} after "
                     f"{self.state.start_powerSGD_iter} plain steps, with error feedback")
-        buckets = f"{bucket_cap_mb:g} MB" if bucket_cap_mb else "DDP's default size (25 MB, the first 1 MiB)"
+        buckets = f"{bucket_cap_mb:g} MiB" if bucket_cap_mb else "DDP's default size (25 MiB, the first 1 MiB)"
         return (f"DDP communication: {what}; buckets of {buckets}"
                 + ("; static graph" if static_graph else ""))
 
@@ -60,7 +61,8 @@ class CommHook:
             return {"name": self.name, "world_size": ctx.world_size, "ranks": None} if ctx.is_primary else None
         own = {slot: _saved(getattr(self.state, slot)) for slot in self.state.__slots__ if slot not in _PER_BUCKET}
         # Per parameter, not per bucket: DDP numbers its buckets anew after a (re)start (see _BucketLayout).
-        own["per_parameter"] = self.layout.per_parameter() if self.layout is not None else {}
+        # Each piece a copy of its own: a slice would carry its whole bucket's storage into the pickle.
+        own["per_parameter"] = _saved(self.layout.per_parameter()) if self.layout is not None else {}
         ranks = gather_to_primary(own, ctx)
         return {"name": self.name, "world_size": ctx.world_size, "ranks": ranks} if ctx.is_primary else None
 
@@ -72,26 +74,40 @@ class CommHook:
         if not saved or saved.get("name") != self.name or not saved.get("ranks"):
             was = saved.get("name") if saved else "none"
             return f"note: the checkpoint's run used --ddp-comm-hook {was}: PowerSGD starts afresh here"
+        notes = []
         if saved["world_size"] != ctx.world_size:
             # Error feedback is each process's own residue: W processes' cannot be dealt to W' processes.
             # The factors' warm start and the step counter are the same on every process: kept.
             mine = dict(saved["ranks"][0], per_parameter={name: {"q": parts["q"]} for name, parts in
                                                           saved["ranks"][0]["per_parameter"].items() if "q" in parts})
-            note = (f"note: the checkpoint's PowerSGD state is of {saved['world_size']} processes; this run has "
-                    f"{ctx.world_size}: its step counter and factors are kept, its error feedback starts afresh")
+            notes.append(f"its state is of {saved['world_size']} processes and this run has {ctx.world_size}: its "
+                         f"step counter and factors are kept, its error feedback starts afresh")
         else:
-            mine, note = saved["ranks"][ctx.rank], None
+            mine = saved["ranks"][ctx.rank]
         mine = _restored(mine, device)
         per_parameter = mine.pop("per_parameter", {})
-        for slot, value in mine.items():
-            setattr(self.state, slot, value)
+        if mine.get("matrix_approximation_rank") != self.state.matrix_approximation_rank:
+            # Factors of another rank do not fit this run's (--powersgd-rank, as given now, wins).
+            per_parameter = {name: {"error": parts["error"]} for name, parts in per_parameter.items()
+                             if "error" in parts}
+            notes.append(f"its factors are of rank {mine.get('matrix_approximation_rank')} and this run's of "
+                         f"{self.state.matrix_approximation_rank}: new factors are drawn")
+        unknown = set(per_parameter) - set(self.layout.shapes if self.layout is not None else ())
+        if unknown:  # another model's state: nothing of it can be used
+            per_parameter = {}
+            notes.append(f"it names parameters this model lacks ({sorted(unknown)[0]}, ...): it starts afresh")
+        for slot in _RESUMED:  # the flags of this run (rank, start step, ...) stay as given
+            if slot in mine:
+                setattr(self.state, slot, mine[slot])
         if self.layout is not None:
             self.layout.restart(per_parameter)
-        return note
+        return f"note: PowerSGD's checkpointed state: {'; '.join(notes)}" if notes else None
 
 
 # PowerSGDState's dicts keyed by DDP's bucket index, which a checkpoint keeps per parameter instead.
 _PER_BUCKET = ("process_group", "error_dict", "p_memory_dict", "q_memory_dict")
+# What a resume takes back of PowerSGDState besides them: where it stands, not how it was configured.
+_RESUMED = ("iter", "rng", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
 
 
 class _BucketLayout:
@@ -108,8 +124,10 @@ class _BucketLayout:
 
     def __init__(self, hook, state, model: nn.Module):
         self.hook, self.state = hook, state
-        self.names = {id(parameter): name for name, parameter in model.named_parameters()}
-        self.shapes = {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+        # The plain model's names (models.unwrap): the same with or without --compile's wrapper.
+        named = list(unwrap(model).named_parameters())
+        self.names = {id(parameter): name for name, parameter in named}
+        self.shapes = {name: tuple(parameter.shape) for name, parameter in named}
         self.bucket_names: dict = {}  # bucket index -> the parameter names the state's entries are laid out for
         self.pending: dict = {}  # name -> {"error": flat tensor, "q": flat tensor}, waiting for a bucket
 
@@ -182,7 +200,7 @@ _NUMPY_GENERATOR = "numpy.random.RandomState"
 
 def _saved(value):
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value.detach().cpu().clone()
     if isinstance(value, dict):
         return {key: _saved(item) for key, item in value.items()}
     if isinstance(value, np.random.RandomState):

@@ -594,8 +594,9 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed, cfg.accum_steps)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
-        micro = f" x --accum-steps {cfg.accum_steps}" if cfg.accum_steps > 1 else ""
-        raise UsageError(f"argument -b/--batch-size: {batch_size} per process{micro}{processes} is more than the "
+        flag, micro = ("--accum-steps", f" x --accum-steps {cfg.accum_steps}") if cfg.accum_steps > 1 else \
+            ("-b/--batch-size", "")
+        raise UsageError(f"argument {flag}: {batch_size} per process{micro}{processes} is more than the "
                          f"{len(train_set)} training images; lower it")
     pin_memory = ctx.device.type == "cuda"
     # Workers die with their training process, even if it is killed with SIGKILL.

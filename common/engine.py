@@ -339,7 +339,8 @@ class Trainer:
                 micro = []
                 for index in range(self.accum_steps):
                     if index:  # the step's later micro-batches: their wait is data wait too
-                        batch = timer.waiting(lambda: next(batches))
+                        with record_function("step:data"):
+                            batch = timer.waiting(lambda: next(batches))
                     micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
                 loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
                 if self.guard.allows_update(loss, epoch, step, lr):
@@ -384,13 +385,15 @@ class Trainer:
     def _accumulated(self, batch, bad_images: BadImages, backward: bool = False) -> "_MicroBatch":
         """One micro-batch's forward pass (and, for all but a step's last,
         `backward`, its backward pass without DDP's exchange, the loss divided
-        by --accum-steps as the step's mean over them needs)."""
-        with record_function("step:forward"), self.precision.autocast():
-            logits = self.model(batch.image)
-            loss = self.criterion(logits, batch.target)
-        if backward:
-            with record_function("step:backward (accumulating)"), self._no_sync():
-                self.precision.backward(loss / self.accum_steps)
+        by --accum-steps as the step's mean over them needs). Both under
+        no_sync(): DDP arms its exchange for the backward during the forward."""
+        with self._no_sync() if backward else contextlib.nullcontext():
+            with record_function("step:forward"), self.precision.autocast():
+                logits = self.model(batch.image)
+                loss = self.criterion(logits, batch.target)
+            if backward:
+                with record_function("step:backward (accumulating)"):
+                    self.precision.backward(loss / self.accum_steps)
         files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
                      large_images=bad_images.count_large(batch))
         return _MicroBatch(loss, logits, batch.target, files)

@@ -68,8 +68,7 @@ def test_ddp_accumulating_two_micro_batches_equals_the_larger_batch(data, tmp_pa
     # cannot differ from the larger batch's; only the summation order does.
     common = [data, *MODEL, "-j", "0", "--lr", "1", "--epochs", "2", "--nproc-per-node", "2"]
     big = run_script([REPO / "imagenet_ddp.py", *common, "-b", "8", "--logdir", tmp_path / "big"], env_extra=ENV)
-    # With DDP's static graph too: its no_sync() steps must leave the gradients to add up as well.
-    micro = run_script([REPO / "imagenet_ddp.py", *common, "-b", "4", "--accum-steps", "2", "--static-graph",
+    micro = run_script([REPO / "imagenet_ddp.py", *common, "-b", "4", "--accum-steps", "2",
                         "--logdir", tmp_path / "micro"], env_extra=ENV)
     assert big.returncode == 0 and micro.returncode == 0, big.stderr + micro.stderr
     big_run, micro_run = single_run_dir(tmp_path / "big"), single_run_dir(tmp_path / "micro")
@@ -140,8 +139,8 @@ def test_powersgd_state_of_two_processes_resumed_in_three_keeps_the_step_count_a
     more = run_script([*run, "--nproc-per-node", "3", "--epochs", "2", "--logdir", tmp_path / "three",
                        "--resume", saved], env_extra=ENV)
     assert more.returncode == 0, more.stderr
-    assert ("the checkpoint's PowerSGD state is of 2 processes; this run has 3: its step counter and factors are "
-            "kept, its error feedback starts afresh") in more.stdout
+    assert ("note: PowerSGD's checkpointed state: its state is of 2 processes and this run has 3: its step counter "
+            "and factors are kept, its error feedback starts afresh") in more.stdout
 
 
 # --- the compressing hooks still train ---
@@ -179,6 +178,7 @@ def test_a_compressing_hook_trains_the_digits_demo_to_95_percent(digits, tmp_pat
     (["--ddp-comm-hook", "powersgd", "--powersgd-start-step", "1"], ["--powersgd-start-step", "below 2"]),
     (["--ddp-comm-hook", "int8"], ["argument --ddp-comm-hook", "invalid choice"]),
     (["--bucket-cap-mb", "0"], ["argument --bucket-cap-mb"]),
+    (["--static-graph", "--accum-steps", "2"], ["argument --static-graph: not with --accum-steps 2"]),
 ])
 def test_bad_communication_options_are_one_line(data, tmp_path, argv, fragments):
     result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1",
@@ -250,3 +250,63 @@ def test_powersgd_state_follows_its_parameters_into_new_buckets_and_a_checkpoint
     assert "used --ddp-comm-hook fp16" in hook.load_state_dict({"name": "fp16", "world_size": 1, "ranks": None},
                                                                  ctx, torch.device("cpu"))
     assert comm.CommHook("fp16").state_dict(ctx) == {"name": "fp16", "world_size": 1, "ranks": None}
+
+
+def test_a_checkpoint_holds_each_pieces_own_copy_and_the_plain_models_names():
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    class Compiled(torch.nn.Module):  # what torch.compile wraps a model in: its parameters under _orig_mod.
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 6))
+    named = dict(model.named_parameters())
+    state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    layout = comm._BucketLayout(lambda state, bucket: None, state, Compiled(model))
+    layout(state, Bucket(0, [named[name] for name in ("1.bias", "1.weight", "0.bias", "0.weight")]))
+    state.error_dict[0] = torch.arange(94.0)
+    state.q_memory_dict[0] = torch.ones(12)
+    saved = comm.CommHook("powersgd", state, layout).state_dict(single_process("cpu"))
+    pieces = saved["ranks"][0]["per_parameter"]
+    assert set(pieces) == {"0.weight", "0.bias", "1.weight", "1.bias"}  # not _orig_mod.0.weight: --compile or not
+    errors = [parts["error"] for parts in pieces.values()]
+    assert sum(error.numel() for error in errors) == sum(parameter.numel() for parameter in model.parameters())
+    # Each its own storage: a slice would pickle the whole bucket's (ResNet-50: 100 MB per parameter).
+    assert all(error.untyped_storage().nbytes() == error.numel() * error.element_size() for error in errors)
+
+
+def test_a_resume_with_another_powersgd_rank_keeps_the_error_feedback_and_draws_new_factors():
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 6))
+    named = dict(model.named_parameters())
+    ctx = single_process("cpu")
+
+    def hook_of(rank):
+        state = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=5)
+        layout = comm._BucketLayout(lambda state, bucket: None, state, model)
+        return comm.CommHook("powersgd", state, layout)
+
+    saving = hook_of(1)
+    saving.layout(saving.state, Bucket(0, [named[name] for name in ("1.bias", "1.weight", "0.bias", "0.weight")]))
+    saving.state.error_dict[0], saving.state.q_memory_dict[0], saving.state.iter = torch.arange(94.0), torch.ones(12), 9
+    loading = hook_of(2)
+    note = loading.load_state_dict(saving.state_dict(ctx), ctx, torch.device("cpu"))
+    assert note == ("note: PowerSGD's checkpointed state: its factors are of rank 1 and this run's of 2: new factors "
+                    "are drawn")
+    assert loading.state.matrix_approximation_rank == 2 and loading.state.start_powerSGD_iter == 5  # this run's flags
+    assert loading.state.iter == 9  # where the run stands
+    assert all(set(parts) == {"error"} for parts in loading.layout.pending.values())
+
+
+@pytest.mark.slow
+def test_accumulated_micro_batches_exchange_gradients_once_a_step(data, tmp_path):
+    # PowerSGD counts the steps whose gradients it is handed: one per optimizer step, not per micro-batch.
+    run = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "4", "--accum-steps", "2", "-j", "0",
+                      "--epochs", "1", "--nproc-per-node", "2", "--ddp-comm-hook", "powersgd",
+                      "--powersgd-start-step", "2", "--logdir", tmp_path], env_extra=ENV)
+    assert run.returncode == 0, run.stderr
+    state = torch.load(single_run_dir(tmp_path) / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    assert [(row["images"], row["steps"]) for row in metrics(single_run_dir(tmp_path))][:1] == [("48", "3")]
+    assert [rank["iter"] for rank in state["comm_hook"]["ranks"]] == [3, 3]  # 3 steps of 2 micro-batches

@@ -72,6 +72,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from common.arguments import Parser, non_negative_int, positive_float, positive_int
 from common.errors import FAILED_EXIT_STATUS, UsageError, error_summary, run_main
 from common.tools import data_scale
+from common.tools.scaling import bus_bandwidth
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -871,12 +872,6 @@ def size_name(size_bytes: int) -> str:
         if size_bytes >= factor and size_bytes % factor == 0:
             return f"{size_bytes // factor} {unit}"
     return f"{size_bytes} B"
-
-
-def bus_bandwidth(algbw: float, world_size: int) -> float:
-    """nccl-tests' all-reduce bus bandwidth (common.tools.comm_bench.bus_bandwidth,
-    here without importing torch): algbw x 2(n-1)/n."""
-    return algbw * 2 * (world_size - 1) / world_size
 
 
 def comm_rows(measurements: Sequence[dict], failure: Optional[str], world_size: int, backend: str,

@@ -38,19 +38,11 @@ from common.arguments import Parser, non_negative_int, positive_int
 from common.config import Config
 from common.distributed import Context
 from common.errors import run_main
+from common.tools.scaling import bus_bandwidth
 
 KIB, MIB = 1 << 10, 1 << 20
-# nccl-tests' range is 8 B .. 128 MiB; 4 KiB .. 64 MiB by 16x covers DDP's buckets (1 and 25 MiB)
-# and the latency end. On the CPU the largest is 16 MiB: gloo over loopback moves ~1 GB/s, and
-# `make bench` should stay a few minutes.
-GPU_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB)
+# When run alone (python -m common.tools.comm_bench): the CPU sizes of `make bench` (bench.comm_sizes_default).
 CPU_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
-
-
-def bus_bandwidth(algbw_bytes_per_second: float, world_size: int) -> float:
-    """nccl-tests' all-reduce bus bandwidth: a ring's 2(n-1) steps each move
-    size/n, so each link carries 2(n-1)/n of the size; algbw counts it once."""
-    return algbw_bytes_per_second * 2 * (world_size - 1) / world_size
 
 
 def time_allreduce(sizes: Sequence[int], device: torch.device, warmup: int, iterations: int,

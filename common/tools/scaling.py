@@ -237,6 +237,13 @@ def collective_bytes(bucket: Bucket, hook: str, powersgd_rank: int = 1, min_comp
 
 # --- links and all-reduce time ------------------------------------------------------------------------------
 
+def bus_bandwidth(algbw: float, world_size: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth: a ring's 2(n-1) steps each move
+    size/n, so each link carries 2(n-1)/n of the size; algbw (size / time)
+    counts it once. In bytes/s or any unit algbw is given in."""
+    return algbw * 2 * (world_size - 1) / world_size
+
+
 def ring_allreduce_ms(size_bytes: float, ranks: int, busbw_bytes_per_second: float, latency_seconds: float) -> float:
     """Ring all-reduce of `size_bytes` over `ranks`: 2(n-1)/n * S / busbw + 2(n-1) * latency."""
     if ranks <= 1:
