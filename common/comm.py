@@ -237,7 +237,10 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                               static_graph=cfg.static_graph, **size)
     hook = CommHook(cfg.ddp_comm_hook)
-    if cfg.ddp_comm_hook in ("fp16", "bf16"):
+    if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
+        ddp.register_comm_hook(None, _cast_in_this_thread(torch.float16 if cfg.ddp_comm_hook == "fp16"
+                                                          else torch.bfloat16))
+    elif cfg.ddp_comm_hook in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(None, getattr(default_hooks, f"{cfg.ddp_comm_hook}_compress_hook"))
@@ -260,6 +263,31 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
 
         ddp.register_comm_hook(hook.state, powersgd_hook)
     return ddp, hook
+
+
+def _cast_in_this_thread(dtype: torch.dtype):
+    """torch's fp16/bf16 compress hook (cast, all-reduce, cast back into the
+    bucket), with the cast back done here rather than in a callback: with
+    gloo a callback runs on gloo's own thread, and CPU tensor work there, in
+    a process that later forks its data-loading workers, is a hang waiting to
+    happen (one validation in CI hung once after such a run, not reproduced
+    here). On the CPU there is no overlap to lose."""
+    def compress_hook(process_group, bucket):
+        group = process_group if process_group is not None else torch.distributed.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+        torch.distributed.all_reduce(compressed, group=group)
+        buffer.copy_(compressed)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    compress_hook.__name__ = f"{dtype_name(dtype)}_compress_hook_in_this_thread"
+    return compress_hook
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
 def _one_bucket_at_a_time(hook):

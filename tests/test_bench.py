@@ -687,15 +687,13 @@ def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
     assert "comm: all-reduce among 2 processes (gloo): latency " in completed.stdout
 
 
-@pytest.mark.slow  # five sets of processes training ResNet-18 at 64 px (about 40 s on 2 cores)
-def test_the_scaling_section_splits_real_ddp_steps(tmp_path):
-    csv_path = tmp_path / "bench.csv"
-    completed = run_command([sys.executable, "-m", "common.tools.bench", "--device", "cpu", "--sections", "scaling",
-                             "--csv", csv_path], timeout=600)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    rows = json_rows(completed.stdout)
-    assert [(row["world_size"], row["hook"]) for row in rows] == [(1, "none")] + [
-        (2, hook) for hook in ("none", "fp16", "bf16", "powersgd")]
+@pytest.mark.slow  # three sets of processes training ResNet-18 at 64 px (about 30 s on 2 cores)
+def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys):
+    # Two of the four hooks (CI's time): none, and PowerSGD, the one with state and extra arithmetic.
+    monkeypatch.setattr(bench, "SCALING_HOOKS", ("none", "powersgd"))
+    bench.main(["--device", "cpu", "--sections", "scaling", "--csv", str(tmp_path / "bench.csv")])
+    rows = json_rows(capsys.readouterr().out)
+    assert [(row["world_size"], row["hook"]) for row in rows] == [(1, "none"), (2, "none"), (2, "powersgd")]
     for row in rows:
         assert row["ms_per_step"] == pytest.approx(row["compute_ms"] + row["exposed_comm_ms"] + row["data_wait_ms"],
                                                    abs=0.02)

@@ -4,6 +4,7 @@ hooks still train the digits demo, a run resumed mid-epoch under each option
 ends on the uninterrupted run's weights (PowerSGD's error feedback included),
 and the mistakes are one line."""
 import csv
+import dataclasses
 import subprocess
 import sys
 
@@ -83,8 +84,10 @@ def test_ddp_accumulating_two_micro_batches_equals_the_larger_batch(data, tmp_pa
 OPTIONS = {  # each option at least once, two to a run where they combine (CI's time)
     "accumulation-fp16": ["--accum-steps", "2", "-b", "2", "--ddp-comm-hook", "fp16"],
     "bf16-static-graph": ["--ddp-comm-hook", "bf16", "--static-graph"],
-    # Compressing from the 2nd step, in buckets of 0.5 MB (SqueezeNet 1.1 holds 4.7 MB of gradients).
-    "powersgd": ["--ddp-comm-hook", "powersgd", "--powersgd-start-step", "2", "--bucket-cap-mb", "0.5"],
+    # Compressing from the 2nd step, in buckets of 0.5 MiB (SqueezeNet 1.1 holds 4.7 MiB of gradients), over
+    # micro-batches: PowerSGD must count (and compress) one exchange per optimizer step.
+    "powersgd-accumulation": ["--ddp-comm-hook", "powersgd", "--powersgd-start-step", "2", "--bucket-cap-mb", "0.5",
+                              "--accum-steps", "2", "-b", "2"],
 }
 
 
@@ -105,10 +108,11 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(data, tmp_path, o
     mid_epoch = sorted(run_dir.glob("checkpoint-epoch001-images*.pth.tar"))[-1]
     state = torch.load(mid_epoch, map_location="cpu", weights_only=False)
     assert 0 < state["images_done"] < 48
-    if option == "powersgd":
+    if option.startswith("powersgd"):
         hook = state["comm_hook"]
         assert hook["name"] == "powersgd" and hook["world_size"] == 2 and len(hook["ranks"]) == 2
-        assert all(rank["iter"] >= 10 for rank in hook["ranks"])  # steps counted; compression started at 2
+        # One exchange per optimizer step (global batch 8: 6 a epoch), not one per micro-batch.
+        assert [rank["iter"] for rank in hook["ranks"]] == [6 + state["images_done"] // 8] * 2
         # Kept per parameter (DDP renumbers its buckets after a restart): every parameter's error feedback,
         # each process's own, and the warm-start factor of each compressed matrix, the same on every process.
         parts = [rank["per_parameter"] for rank in hook["ranks"]]
@@ -129,20 +133,6 @@ def test_a_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(data, tmp_path, o
         assert float(ours["loss"]) == pytest.approx(float(theirs["loss"]), abs=1e-6)
 
 
-@pytest.mark.slow
-def test_powersgd_state_of_two_processes_resumed_in_three_keeps_the_step_count_and_says_so(data, tmp_path):
-    run = [REPO / "imagenet_ddp.py", data, *MODEL, "-b", "4", "-j", "0", "--epochs", "1",
-           "--ddp-comm-hook", "powersgd", "--powersgd-start-step", "2"]
-    first = run_script([*run, "--nproc-per-node", "2", "--logdir", tmp_path / "two"], env_extra=ENV)
-    assert first.returncode == 0, first.stderr
-    saved = single_run_dir(tmp_path / "two") / CHECKPOINT_NAME
-    more = run_script([*run, "--nproc-per-node", "3", "--epochs", "2", "--logdir", tmp_path / "three",
-                       "--resume", saved], env_extra=ENV)
-    assert more.returncode == 0, more.stderr
-    assert ("note: PowerSGD's checkpointed state: its state is of 2 processes and this run has 3: its step counter "
-            "and factors are kept, its error feedback starts afresh") in more.stdout
-
-
 # --- the compressing hooks still train ---
 
 @pytest.fixture(scope="module")
@@ -157,8 +147,10 @@ def digits(tmp_path_factory):
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_a_compressing_hook_trains_the_digits_demo_to_95_percent(digits, tmp_path, hook):
     # The demo's recipe (run_scripts/demo.sh) at 32 px for 6 epochs, over 2 processes of 32: global batch 64.
+    # Loading in the training processes (-j 0): what is tested is the hook's arithmetic (a -j 1 run of this
+    # test hung once in CI at its first validation: common.comm._cast_in_this_thread).
     result = run_script([REPO / "imagenet_ddp.py", digits, "-a", "resnet18", "--image-size", "32",
-                         "--val-resize", "36", "--crop-scale", "0.5", "1", "--hflip", "0", "-b", "32", "-j", "1",
+                         "--val-resize", "36", "--crop-scale", "0.5", "1", "--hflip", "0", "-b", "32", "-j", "0",
                          "--epochs", "6", "--lr", "0.4", "--lr-schedule", "cosine", "--warmup-epochs", "1",
                          "--nproc-per-node", "2", "--ddp-comm-hook", hook, "--logdir", tmp_path], timeout=900)
     assert result.returncode == 0, result.stderr
@@ -300,13 +292,25 @@ def test_a_resume_with_another_powersgd_rank_keeps_the_error_feedback_and_draws_
     assert all(set(parts) == {"error"} for parts in loading.layout.pending.values())
 
 
-@pytest.mark.slow
-def test_accumulated_micro_batches_exchange_gradients_once_a_step(data, tmp_path):
-    # PowerSGD counts the steps whose gradients it is handed: one per optimizer step, not per micro-batch.
-    run = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "4", "--accum-steps", "2", "-j", "0",
-                      "--epochs", "1", "--nproc-per-node", "2", "--ddp-comm-hook", "powersgd",
-                      "--powersgd-start-step", "2", "--logdir", tmp_path], env_extra=ENV)
-    assert run.returncode == 0, run.stderr
-    state = torch.load(single_run_dir(tmp_path) / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
-    assert [(row["images"], row["steps"]) for row in metrics(single_run_dir(tmp_path))][:1] == [("48", "3")]
-    assert [rank["iter"] for rank in state["comm_hook"]["ranks"]] == [3, 3]  # 3 steps of 2 micro-batches
+def test_powersgd_state_of_two_processes_resumed_by_three_keeps_the_step_count_and_factors():
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 6))
+    named = dict(model.named_parameters())
+    order = [named[name] for name in ("1.bias", "1.weight", "0.bias", "0.weight")]
+    saved_ranks = []
+    for rank in range(2):  # what a 2-process run's checkpoint gathers: each process's own error feedback
+        state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        layout = comm._BucketLayout(lambda state, bucket: None, state, model)
+        layout(state, Bucket(0, order))
+        state.error_dict[0], state.q_memory_dict[0], state.iter = torch.full((94,), float(rank)), torch.ones(12), 9
+        saved_ranks.append(comm.CommHook("powersgd", state, layout).state_dict(single_process("cpu"))["ranks"][0])
+    saved = {"name": "powersgd", "world_size": 2, "ranks": saved_ranks}
+    state = PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    hook = comm.CommHook("powersgd", state, comm._BucketLayout(lambda state, bucket: None, state, model))
+    third = dataclasses.replace(single_process("cpu"), rank=2, world_size=3)  # no collective: no group needed
+    note = hook.load_state_dict(saved, third, torch.device("cpu"))
+    assert note == ("note: PowerSGD's checkpointed state: its state is of 2 processes and this run has 3: its step "
+                    "counter and factors are kept, its error feedback starts afresh")
+    assert state.iter == 9 and all(set(parts) == {"q"} for parts in hook.layout.pending.values())
+    assert set(hook.layout.pending) == {"0.weight", "1.weight"}  # the compressed matrices' factors

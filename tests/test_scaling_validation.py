@@ -1,10 +1,13 @@
 """Validation B of the scaling model (common.tools.link_validation): DDP over a
 link of known bandwidth. Two network namespaces joined by a veth pair, tbf
-limiting each direction to 200 Mbit/s and then 1 Gbit/s, imagenet_ddp.py with
+limiting each direction to 200 Mbit/s, imagenet_ddp.py with
 one process in each (gloo, --synthetic, one thread each), --ddp-comm-hook none
 and fp16: the measured ms per step against the model's prediction from the
 step without communication and the gloo all-reduce measured over the link.
-Root only; `pytest -s` shows the table."""
+Root only; `pytest -s` shows the table. The recorded run
+(results/scaling/validation-b.csv, docs/scaling.md) adds 1 Gbit/s, where the
+step varies more from run to run than the tolerance on 2 busy cores; CI's time
+keeps the test to the communication-bound link."""
 from __future__ import annotations
 
 import subprocess
@@ -42,32 +45,23 @@ def _leftovers(tag_prefix: str) -> list:
     return [name for name in names if name.startswith(tag_prefix)]
 
 
-@pytest.mark.slow  # about 85 s on 2 cores: 6 training runs, 2 TCP and 2 all-reduce measurements
+@pytest.mark.slow  # about 45 s on 2 cores: 4 training runs, a TCP and an all-reduce measurement
 def test_measured_step_times_over_a_rate_limited_link_match_the_model():
     reason = link_validation.missing_reason()
     if reason:
         pytest.skip(f"Validation B needs a veth pair with tbf: {reason}")
     lines = []
-    rows = link_validation.validate([200e6, 1e9], ["none", "fp16"], tolerance_percent=TOLERANCE_PERCENT,
+    rows = link_validation.validate([200e6], ["none", "fp16"], tolerance_percent=TOLERANCE_PERCENT,
                                     progress=lines.append)
     print("\n" + "\n".join(lines + link_validation.table_lines(rows)))
     assert _leftovers(f"imlv{__import__('os').getpid()}") == []  # the namespaces (and the veth pair) are gone
-    assert [(row["link"], row["hook"]) for row in rows] == [
-        ("200mbit", "none"), ("200mbit", "fp16"), ("1gbit", "none"), ("1gbit", "fp16")]
+    assert [(row["link"], row["hook"]) for row in rows] == [("200mbit", "none"), ("200mbit", "fp16")]
     for row in rows:
         # The link as measured: TCP carries 1448 payload bytes in each 1514-byte frame tbf counts (95.6%).
         assert row["tcp_payload_mbit"] == pytest.approx(row["tbf_rate_mbit"] * link_validation.TCP_PAYLOAD_FRACTION,
                                                         rel=0.05)
         assert row["measured_ms"] > row["compute_ms"]  # communication shows
+        # Communication-bound: gloo's all-reduce runs at the link's TCP rate, and the model holds.
+        assert abs(row["difference_percent"]) <= TOLERANCE_PERCENT, row
     # fp16 halves the bytes: the model's communication halves.
     assert rows[1]["comm_mib_per_step"] == pytest.approx(rows[0]["comm_mib_per_step"] / 2, rel=1e-3)
-    slow_link = [row for row in rows if row["link"] == "200mbit"]
-    for row in slow_link:  # communication-bound: gloo's all-reduce runs at the link's TCP rate
-        assert abs(row["difference_percent"]) <= TOLERANCE_PERCENT, row
-    missed = [row for row in rows if row["link"] == "1gbit" and abs(row["difference_percent"]) > TOLERANCE_PERCENT]
-    if missed:
-        pytest.xfail("at 1 Gbit/s the two processes' compute and gloo's TCP traffic share 2 cores, and the step "
-                     "varies from run to run by more than the tolerance (seen: 648 to 925 ms for hook none); "
-                     "missed: " + "; ".join(f"{row['hook']}: measured {row['measured_ms']:.0f} ms, predicted "
-                                            f"{row['predicted_ms']:.0f} ms ({row['difference_percent']:+.1f}%)"
-                                            for row in missed))
