@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
-from common import launch
+from common import comm, launch
 from common.config import MODES, PREEMPT_SIGNALS, Config
 from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
                               positive_int, seed_int, unit_interval)
@@ -317,7 +317,7 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dist-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                        help="how long a process waits for its peers: at start-up (a node that never comes "
                             "up ends the job with an error after this) and at any collective operation")
-    group.add_argument("--ddp-comm-hook", choices=("none", "fp16", "bf16", "powersgd"), default="none",
+    group.add_argument("--ddp-comm-hook", choices=comm.HOOKS, default="none",
                        help="what DDP sends each step: fp32 gradients (none), gradients cast to fp16 or bf16 "
                             "(half the bytes), or PowerSGD's low-rank factors with error feedback (far fewer); "
                             "README: Scaling")
