@@ -238,8 +238,7 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
                                               static_graph=cfg.static_graph, **size)
     hook = CommHook(cfg.ddp_comm_hook)
     if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
-        ddp.register_comm_hook(None, _cast_in_this_thread(torch.float16 if cfg.ddp_comm_hook == "fp16"
-                                                          else torch.bfloat16))
+        ddp.register_comm_hook(None, _cast_in_this_thread(cfg.ddp_comm_hook))
     elif cfg.ddp_comm_hook in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -265,13 +264,15 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     return ddp, hook
 
 
-def _cast_in_this_thread(dtype: torch.dtype):
+def _cast_in_this_thread(hook_name: str):
     """torch's fp16/bf16 compress hook (cast, all-reduce, cast back into the
     bucket), with the cast back done here rather than in a callback: with
     gloo a callback runs on gloo's own thread, and CPU tensor work there, in
     a process that later forks its data-loading workers, is a hang waiting to
     happen (one validation in CI hung once after such a run, not reproduced
-    here). On the CPU there is no overlap to lose."""
+    here). On the CPU there is no overlap to lose. `hook_name`: fp16 or bf16."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[hook_name]
+
     def compress_hook(process_group, bucket):
         group = process_group if process_group is not None else torch.distributed.group.WORLD
         buffer = bucket.buffer()
@@ -282,12 +283,8 @@ def _cast_in_this_thread(dtype: torch.dtype):
         done.set_result(buffer)
         return done
 
-    compress_hook.__name__ = f"{dtype_name(dtype)}_compress_hook_in_this_thread"
+    compress_hook.__name__ = f"{hook_name}_compress_hook_in_this_thread"
     return compress_hook
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
 def _one_bucket_at_a_time(hook):

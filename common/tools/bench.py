@@ -72,7 +72,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from common.arguments import Parser, non_negative_int, positive_float, positive_int
 from common.errors import FAILED_EXIT_STATUS, UsageError, error_summary, run_main
 from common.tools import data_scale
-from common.tools.scaling import bus_bandwidth
+from common.tools.scaling import HOOKS, bus_bandwidth
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -934,7 +934,7 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
 # step on one core: its 5 configurations take about a minute); on a GPU the train section's model and batch.
 SCALING_CPU = {"batch_size": 16, "image_size": 64, "warmup": 2, "steps": 4}
 SCALING_GPU_STEPS = {"warmup": 10, "steps": 20}
-SCALING_HOOKS = ("none", "fp16", "bf16", "powersgd")
+SCALING_HOOKS = HOOKS  # every --ddp-comm-hook (the scaling model's list)
 SCALING_POWERSGD_START_STEP = 2  # the first step PowerSGD may compress at (common.comm): within the warm-up
 
 
