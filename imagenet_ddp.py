@@ -7,16 +7,16 @@ one process per GPU (or per CPU process, with gloo), on one node or many.
     torchrun --nproc-per-node 4 imagenet_ddp.py -a resnet50 DATA  # or torch.distributed.launch, or srun
 
 The whole recipe, top to bottom; the loop itself is common/engine.py, and
-finding the other processes is common/launch.py.
+finding and starting the other processes is common/launcher.py and common/spawn.py.
 """
 import torch
 
-from common import cli, comm, config, data, distributed, engine, launch, models, precision, schedules, telemetry
+from common import cli, comm, config, data, distributed, engine, models, precision, schedules, spawn, telemetry
 
 
 def main(argv=None):
     cfg = cli.parse("ddp", argv)
-    launch.start(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
+    spawn.start(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
 
 
 def train(cfg: config.Config, ctx: distributed.Context) -> None:

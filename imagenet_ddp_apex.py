@@ -7,16 +7,16 @@ implemented with native PyTorch AMP (no Apex needed).
     python imagenet_ddp_apex.py -a resnet50 --opt-level O1 DATA     # every GPU of this machine; torchrun and srun too
 
 The whole recipe, top to bottom; the loop itself is common/engine.py, finding
-the other processes is common/launch.py, and precision is common/precision.py.
+the other processes is common/launcher.py, and precision is common/precision.py.
 """
 import torch
 
-from common import cli, comm, config, data, distributed, engine, launch, models, precision, schedules, telemetry
+from common import cli, comm, config, data, distributed, engine, models, precision, schedules, spawn, telemetry
 
 
 def main(argv=None):
     cfg = cli.parse("ddp_apex", argv)
-    launch.start(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
+    spawn.start(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
 
 
 def train(cfg: config.Config, ctx: distributed.Context) -> None:

@@ -4,6 +4,12 @@ the wrapper that turns a user's mistake into one line and exit status 2.
 `parse(mode, argv)` returns a frozen `Config`: every option resolved and
 checked, nothing left for later code to second-guess. Flags keep the
 spellings users know from the ImageNet reference scripts (pytorch/examples).
+
+Importing this module, --help and every mistake but one import no torch
+(seconds and hundreds of MiB): the architecture names come from
+common.architectures' cache, the choices from common.config, and `run`'s
+launcher reading from common.launcher. The one exception is -b 1 in
+training, checked last by running the model on the meta device.
 """
 from __future__ import annotations
 
@@ -14,13 +20,12 @@ import signal
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
 
-from common import comm, launch
-from common.config import MODES, PREEMPT_SIGNALS, Config
+from common import launcher, process_signals
+from common.architectures import available_architectures
+from common.config import DATA_BACKENDS, DDP_COMM_HOOKS, MODES, PREEMPT_SIGNALS, Config
 from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
                               positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, UsageError, error_summary, program, run_main
-from common.models import available_architectures, check_one_image_per_step
-from common.pipelines import DATA_BACKENDS
 
 _DESCRIPTIONS = {
     "nd": "Train and validate an ImageNet classifier on one device (a GPU, or the CPU).",
@@ -317,7 +322,7 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dist-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                        help="how long a process waits for its peers: at start-up (a node that never comes "
                             "up ends the job with an error after this) and at any collective operation")
-    group.add_argument("--ddp-comm-hook", choices=comm.HOOKS, default="none",
+    group.add_argument("--ddp-comm-hook", choices=DDP_COMM_HOOKS, default="none",
                        help="what DDP sends each step: fp32 gradients (none), gradients cast to fp16 or bf16 "
                             "(half the bytes), or PowerSGD's low-rank factors with error feedback (far fewer); "
                             "README: Scaling")
@@ -350,12 +355,31 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
 
 
 def _check_values(ns: argparse.Namespace) -> None:
-    """Checks across flags and on paths: each failure names its flag or path."""
+    """Checks across flags and on paths: each failure names its flag or path.
+    The one check that needs torch comes last, so that every other mistake is
+    reported without importing it."""
+    _check_architecture(ns.arch)
+    _check_distributed_flags(ns)
+    _check_training_flags(ns)
+    _check_output_paths(ns)
+    if not ns.synthetic:
+        _check_dataset(ns)
+    if ns.batch_size == 1 and not ns.evaluate:
+        # Runs the model on the meta device, so it imports torch and torchvision; only -b 1 pays for it.
+        from common.models import check_one_image_per_step
+        check_one_image_per_step(ns.arch, ns.image_size)
+
+
+def _check_architecture(arch: str) -> None:
     archs = available_architectures()
-    if ns.arch not in archs:
-        close = difflib.get_close_matches(ns.arch, archs, n=1)
+    if arch not in archs:
+        close = difflib.get_close_matches(arch, archs, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise UsageError(f"argument -a/--arch: unknown architecture {ns.arch!r}{hint} (see --help for the list)")
+        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r}{hint} (see --help for the list)")
+
+
+def _check_distributed_flags(ns: argparse.Namespace) -> None:
+    """The flags of imagenet_ddp.py and imagenet_ddp_apex.py (absent from the other scripts' namespaces)."""
     if getattr(ns, "rank", None) is not None and ns.rank >= (ns.world_size or 1):
         raise UsageError(f"argument --rank: node rank {ns.rank} is not below --world-size {ns.world_size or 1} "
                          f"(ranks count from 0)")
@@ -375,10 +399,12 @@ def _check_values(ns: argparse.Namespace) -> None:
     if (getattr(ns, "powersgd_start_step", None) or 2) < 2:
         raise UsageError("argument --powersgd-start-step: 1 is below 2 (DDP settles its buckets in the first "
                          "steps, before PowerSGD can keep state for them)")
+
+
+def _check_training_flags(ns: argparse.Namespace) -> None:
+    """Epochs, image sizes, crops and the schedule, against each other."""
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
-    if ns.batch_size == 1 and not ns.evaluate:
-        check_one_image_per_step(ns.arch, ns.image_size)
     if ns.val_resize < ns.image_size:
         raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than --image-size {ns.image_size}")
     if ns.crop_scale[0] > ns.crop_scale[1]:
@@ -387,6 +413,10 @@ def _check_values(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --lr-steps: epochs must be increasing, got {' '.join(map(str, ns.lr_steps))}")
     if ns.warmup_epochs > ns.epochs:
         raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
+
+
+def _check_output_paths(ns: argparse.Namespace) -> None:
+    """--run-name, --resume and --report-dir: names and files a run reads or must not overwrite."""
     if ns.run_name is not None and (not ns.run_name or os.sep in ns.run_name or ns.run_name in (".", "..")):
         raise UsageError(f"argument --run-name: {ns.run_name!r} must be a plain folder name")
     if ns.resume is not None and ns.resume != "auto":
@@ -403,8 +433,10 @@ def _check_values(ns: argparse.Namespace) -> None:
             if _is(Path(ns.report_dir) / name, Path.exists, "--report-dir"):
                 raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
                                  f"choose another folder (nothing is overwritten)")
-    if ns.synthetic:
-        return
+
+
+def _check_dataset(ns: argparse.Namespace) -> None:
+    """DATA and --file-list, unless --synthetic."""
     if ns.data is None:
         raise UsageError("DATA: missing; give the dataset folder (holding train/ and val/), or use --synthetic")
     root = Path(ns.data)
@@ -432,5 +464,5 @@ def run(main: Callable[[], object]) -> None:
     """Run an entry script's main(): a UsageError becomes one line on stderr
     and exit status 2, Ctrl-C exit status 130, neither with a traceback
     (errors.exit_status)."""
-    launch.ignore_stop_signals_until_training()
-    run_main(main, *launch.launched_identity())
+    process_signals.ignore_stop_signals_until_training()
+    run_main(main, *launcher.launched_identity())

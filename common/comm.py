@@ -28,7 +28,6 @@ from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.models import unwrap
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 POWERSGD_RANK = 1  # torch's default matrix_approximation_rank
 # torch's default start_powerSGD_iter: plain all-reduces first, while the gradients change fastest
 # (PowerSGD's authors warm up with uncompressed steps too). At least 2: DDP's first steps rebuild buckets.

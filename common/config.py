@@ -16,8 +16,14 @@ from typing import Optional, Tuple, Union
 MODES = ("nd", "dp", "ddp", "ddp_apex")
 
 # The signals a preemption warning can use: those that every process of the job (data-loading
-# workers included) is prepared to receive without dying (see common.launch).
+# workers included) is prepared to receive without dying (see common.process_signals).
 PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
+
+# --data-backend's choices: who decodes and transforms images (common.pipelines, common.dali).
+DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
+
+# --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
+DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ from common.config import Config
 from common.distributed import Context, decided_by_primary, gather_to_primary, spans_processes
 from common.errors import UsageError
 from common.dataset_lists import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
-from common.launch import data_loader_context, data_loader_worker_init
+from common.process_signals import data_loader_context, data_loader_worker_init
 from common.measure import on_shared_filesystem
 from common.dali import DaliDecoder
 from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,

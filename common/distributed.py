@@ -1,12 +1,12 @@
 """Who am I: rank, local rank, world size and device, and the collectives.
 
 Every script gets a `Context` (from single_process, data_parallel, or, for
-DDP, common.launch, which starts the processes and joins the group) and
-passes it on; nothing else decides the device or asks how many processes
-there are. One process (imagenet_nd.py, imagenet_dp.py) is a world of size
-1, so code written for the distributed case runs unchanged there:
-reductions are no-ops. Metrics cross processes as sums and counts, never
-as averages of averages.
+DDP, common.spawn, which starts the processes, and common.rendezvous, where
+each joins the group) and passes it on; nothing else decides the device or
+asks how many processes there are. One process (imagenet_nd.py,
+imagenet_dp.py) is a world of size 1, so code written for the distributed
+case runs unchanged there: reductions are no-ops. Metrics cross processes
+as sums and counts, never as averages of averages.
 """
 from __future__ import annotations
 

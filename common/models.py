@@ -3,15 +3,15 @@ from scratch or from torchvision's ImageNet weights, and the helper that
 finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 from urllib.parse import urlparse
 
 import torch
 import torchvision
 from torch import nn
 
+from common.architectures import available_architectures
 from common.errors import UsageError, error_summary
 
 # Models whose auxiliary heads torchvision turns on by default: the training
@@ -19,13 +19,6 @@ from common.errors import UsageError, error_summary
 # init_weights=True keeps their documented initialisation explicit (torchvision
 # warns that its implicit default will change, and refuses the flag with weights).
 _AUX_LOGITS_ARCHS = ("googlenet", "inception_v3")
-
-
-@functools.lru_cache(maxsize=1)
-def available_architectures() -> List[str]:
-    """Names of torchvision's image classification models (torchvision.models
-    itself, not its detection/segmentation/video/optical-flow submodules)."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def _input_size_kwargs(arch: str, image_size: int) -> dict:

@@ -59,7 +59,6 @@ from torchvision.transforms.v2 import functional as tensor_ops
 
 from common.errors import UsageError, error_summary
 
-DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's aspect-ratio range

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from common.config import Config
 from common.distributed import Context, spans_processes
 from common.errors import STOPPED_EXIT_STATUS
-from common.launch import slurm_job_id
+from common.launcher import slurm_job_id
 
 # What a process's flag holds, combined by maximum: a requeueing stop outranks a plain one.
 _NOTHING, _CHECKPOINT, _STOP, _STOP_AND_REQUEUE = range(4)

@@ -3,8 +3,8 @@
 (run_scripts/ray_tune.py). The driver's side lives here: reading the
 launcher's own flags, connecting to a cluster or starting one on this
 machine (and stopping it again), and the `TorchTrainer` whose workers run
-the script's `main` unchanged. In each worker common.launch finds Ray
-Train's context and adopts the process group Ray has joined; the run
+the script's `main` unchanged. In each worker common.launcher finds Ray
+Train's context and common.rendezvous adopts the process group Ray has joined; the run
 directory, checkpoints and `--resume auto` are the project's own.
 
 Ray is optional (requirements-ray.txt): it is imported only here, when a
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from common import cli, launch
+from common import cli, launcher
 from common.arguments import positive_float
 from common.config import Config
 from common.errors import FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary
@@ -102,7 +102,7 @@ class ScriptRun:
     def parsed(path: Path, mode: str, argv: Sequence[str]) -> "ScriptRun":
         """`argv` checked by the script's own parser, with no flag that a launcher sets."""
         cfg = cli.parse(mode, list(argv))
-        launch.check_launcher_flags(cfg, launch.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
+        launcher.check_launcher_flags(cfg, launcher.RAY_STARTS_THE_PROCESSES, local_rank_too=True)
         return ScriptRun(path, mode, tuple(argv), cfg)
 
     def with_flags(self, extra: Sequence[str]) -> "ScriptRun":
@@ -176,7 +176,7 @@ class Cluster:
     the end with every process it started."""
 
     def __init__(self, address: Optional[str], environ=os.environ):
-        self.address = launch.ray_head_address(address, environ)
+        self.address = launcher.ray_head_address(address, environ)
         self.source = "argument --address" if address else "environment variable RAY_ADDRESS"
         if self.address:
             check_address(self.address, self.source)  # before Ray is imported: nothing has started
@@ -472,7 +472,7 @@ class ScriptExit(RuntimeError):
 def train_loop(config: dict) -> None:
     """Ray Train's training function: the entry script's main() with its
     flags, in the driver's working directory (Ray starts workers elsewhere),
-    where common.launch finds Ray's context and joins no group of its own."""
+    where common.launcher finds Ray's context and joins no group of its own."""
     if os.path.isdir(config["cwd"]):
         os.chdir(config["cwd"])
     # Ray Train sets the root logger to INFO (Python's default is WARNING), and logs each report there.

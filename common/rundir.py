@@ -40,7 +40,7 @@ from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO, Tuple
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
 from common.errors import UsageError, error_summary
-from common.launch import ray_train_context, restart_name
+from common.launcher import ray_train_context, restart_name
 
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1

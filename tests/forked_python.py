@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Variables that may differ between the server and a command it forks: pytest's per-test marker.
 PER_COMMAND_VARIABLES = {"PYTEST_CURRENT_TEST"}
 PRELOADED = ("torch", "torchvision", "numpy", "PIL.Image", "torch.utils.tensorboard", "common.engine", "common.cli",
-             "common.models", "common.pipelines", "common.data", "common.launch", "common.distributed",
+             "common.models", "common.pipelines", "common.data", "common.spawn", "common.distributed",
              "common.checkpoint", "common.telemetry", "common.precision", "common.errors")
 
 

@@ -1,14 +1,17 @@
 """The shape of common/ (docs/architecture.md): every module imports alone,
 the imports between modules form no circle, the bottom layer stays at the
-bottom, launchers' environment variables are read in one place, and no class
-grows past ~150 lines without saying why."""
+bottom, the command line stays free of torch, launchers' environment
+variables are read in one place, and no class grows past ~150 lines without
+saying why."""
 from __future__ import annotations
 
 import ast
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 from conftest import REPO
 
@@ -19,6 +22,10 @@ BOTTOM = {"common.errors", "common.config", "common.arguments", "common.hardware
 # Only the entry scripts and the tools import the command line; and the Ray launchers' driver, which checks
 # the training command with the script's own parser before Ray starts.
 CLI_IMPORTERS = {"common.tools.bench", "common.ray_cluster"}
+# The command line and what it imports: no torch (seconds and hundreds of MiB), so that --help and a mistake's
+# one line come at once. They import only each other at module level (a function may import more, when it runs).
+TORCH_FREE = {"common.errors", "common.config", "common.arguments", "common.architectures", "common.launcher",
+              "common.process_signals", "common.cli"}
 
 
 def module_name(path: Path) -> str:
@@ -52,7 +59,7 @@ GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
 
 
 def test_the_graph_is_read_from_real_imports():
-    assert {"common.errors", "common.config", "common.distributed"} <= GRAPH["common.launch"]
+    assert {"common.errors", "common.config", "common.distributed"} <= GRAPH["common.spawn"]
     assert "common.engine" in GRAPH["common.engine"] | {"common.engine"}
     assert GRAPH["common.errors"] == set()
 
@@ -114,6 +121,72 @@ def test_bottom_layer_imports_only_the_bottom_layer():
         assert GRAPH[name] <= BOTTOM, (name, GRAPH[name] - BOTTOM)
 
 
+def module_level_imports(path: Path) -> set:
+    """Every module that the statements at the top of `path` import (not those inside functions)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_command_line_imports_no_torch_at_module_level():
+    for name in TORCH_FREE:
+        imported = module_level_imports(MODULES[name])
+        assert not {module for module in imported if module.split(".")[0] in ("torch", "torchvision", "numpy")}, name
+        assert {module for module in imported if module in MODULES} - PACKAGES <= TORCH_FREE, name
+
+
+# In a fresh interpreter: import the command line, show --help, make mistakes, and list the torch modules loaded.
+_PARSE_WITHOUT_TORCH = """
+import contextlib, io, sys
+from common import cli
+from common.errors import UsageError
+
+def torch_modules():
+    return sorted(name for name in sys.modules if name.startswith(("torch", "torchvision")))
+
+after_import = torch_modules()
+help_text = io.StringIO()
+with contextlib.redirect_stdout(help_text):
+    try:
+        cli.parse("ddp_apex", ["--help"])
+    except SystemExit:
+        pass
+assert "resnet50" in help_text.getvalue() and "--ddp-comm-hook" in help_text.getvalue(), help_text.getvalue()
+mistakes = (["--epochs", "0"], ["-a", "resnet5", "--synthetic"], ["--synthetic", "--start-epoch", "3", "--epochs", "2"],
+            ["--synthetic", "--data-backend", "nvjpeg"], ["--synthetic", "--ddp-comm-hook", "int8"], ["/no/such/data"])
+for argv in mistakes:
+    try:
+        cli.parse("ddp_apex", argv)
+    except UsageError:
+        continue
+    raise AssertionError(f"no UsageError for {argv}")
+try:
+    cli.run(lambda: cli.parse("nd", ["--synthetic", "--lr", "-1"]))
+except SystemExit as stopped:
+    assert stopped.code == 2, stopped.code
+print(after_import, torch_modules())
+"""
+
+
+def test_help_and_mistakes_import_no_torch(tmp_path):
+    from common import architectures
+
+    # The architectures' names are cached per torchvision version: the first start of a version lists them
+    # (importing torchvision), as this process does here; every later start reads the cache.
+    environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    with mock.patch.dict(os.environ, environment):
+        assert architectures.available_architectures.__wrapped__()
+    done = subprocess.run([sys.executable, "-c", _PARSE_WITHOUT_TORCH], cwd=REPO, env=environment,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.strip() == "[] []", done.stdout
+    assert "error: argument --lr" in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_only_scripts_and_tools_import_the_command_line():
     importers = {name for name, imported in GRAPH.items() if "common.cli" in imported}
     assert importers <= CLI_IMPORTERS, importers - CLI_IMPORTERS
@@ -139,7 +212,7 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_PORT", "SLURM_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RAY_ADDRESS")
 
 
-def test_launcher_environment_variables_are_read_only_in_launch():
+def test_launcher_environment_variables_are_read_only_in_launcher():
     readers = {}
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -152,7 +225,7 @@ def test_launcher_environment_variables_are_read_only_in_launch():
     for name, variables in setters.items():
         if readers.get(name, set()) <= variables:
             readers.pop(name, None)
-    assert set(readers) == {"common.launch"}, readers
+    assert set(readers) == {"common.launcher"}, readers
 
 
 def long_classes() -> list:

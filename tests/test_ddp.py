@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from common import engine, models, pipelines
-from common.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from common.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from common.rundir import CHECKPOINT_NAME
 from conftest import REPO, free_port, make_image_folder, run_script, running
 
@@ -446,27 +446,27 @@ def test_a_crashed_worker_stops_the_others():
 # --- nn.DataParallel ---
 
 def _record_how_data_loading_workers_start(cfg, ctx):
-    """train() for launch.start: the context this worker's DataLoader workers would be started with."""
-    from common import launch
+    """train() for spawn.start: the context this worker's DataLoader workers would be started with."""
+    from common import process_signals
 
-    Path(os.environ["RECORD_DIR"], f"rank{ctx.rank}").write_text(type(launch.data_loader_context()).__name__)
+    Path(os.environ["RECORD_DIR"], f"rank{ctx.rank}").write_text(type(process_signals.data_loader_context()).__name__)
 
 
 @pytest.mark.skipif(sys.platform != "linux" or sys.version_info >= (3, 14), reason="fork is not the default here")
 def test_spawned_workers_fork_their_data_loading_workers(tmp_path, monkeypatch):
-    """A worker that launch.start spawns inherits "spawn" as its start method: its DataLoader
+    """A worker that spawn.start spawns inherits "spawn" as its start method: its DataLoader
     workers would be spawned anew every epoch, each importing torch (3 short epochs of the digits
     took 48 s instead of 3.5 on 2 cores). They fork, as under torchrun."""
-    from common import cli, launch
+    from common import cli, spawn
 
     monkeypatch.setenv("RECORD_DIR", str(tmp_path))
-    launch.start(_record_how_data_loading_workers_start,
+    spawn.start(_record_how_data_loading_workers_start,
                  cli.parse("ddp", ["--synthetic", "--device", "cpu", "--nproc-per-node", "2"]))
     assert sorted(path.read_text() for path in tmp_path.glob("rank*")) == ["_WorkerContext"] * 2
 
 
 def _record_the_lists_each_rank_finds(cfg, ctx):
-    """train() for launch.start: how many scans of DATA this process made, and the lists it got."""
+    """train() for spawn.start: how many scans of DATA this process made, and the lists it got."""
     from common import data
 
     scans = []
@@ -478,14 +478,14 @@ def _record_the_lists_each_rank_finds(cfg, ctx):
 
 
 def test_one_process_of_a_job_scans_the_data_and_the_next_job_reads_its_cache(data, tmp_path, monkeypatch):
-    from common import cli, launch
+    from common import cli, spawn
 
     monkeypatch.setenv("RECORD_DIR", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no scan of `data` cached by other tests
     cfg = cli.parse("ddp", [str(data), "--device", "cpu", "--nproc-per-node", "2", "--logdir", str(tmp_path / "runs")])
     found = []
     for _ in range(2):
-        launch.start(_record_the_lists_each_rank_finds, cfg)
+        spawn.start(_record_the_lists_each_rank_finds, cfg)
         found.append([json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)])
     (first, second), (third, fourth) = found
     assert [first["scans"], second["scans"], third["scans"], fourth["scans"]] == [1, 0, 0, 0]  # then the cache
@@ -493,7 +493,7 @@ def test_one_process_of_a_job_scans_the_data_and_the_next_job_reads_its_cache(da
     # A mistake the primary meets ends every process alike: one line, exit status 2.
     (tmp_path / "list.txt").write_text("train/nowhere/x.JPEG 0\nval/nowhere/y.JPEG 0\n")
     with pytest.raises(SystemExit) as stopped:
-        launch.start(_record_the_lists_each_rank_finds, dataclasses.replace(cfg, file_list=str(tmp_path / "list.txt")))
+        spawn.start(_record_the_lists_each_rank_finds, dataclasses.replace(cfg, file_list=str(tmp_path / "list.txt")))
     assert stopped.value.code == 2
 
 

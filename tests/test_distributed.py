@@ -1,4 +1,4 @@
-"""Rank and world discovery (common.launch.discover) for every launcher,
+"""Rank and world discovery (common.launcher.discover) for every launcher,
 from faked environments: pure functions, no processes."""
 import dataclasses
 
@@ -6,7 +6,7 @@ import pytest
 
 from common import cli
 from common.errors import UsageError
-from common.launch import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
+from common.launcher import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
 
 
 def ddp_config(*flags):
@@ -168,26 +168,26 @@ class _EndedWorker:
 
 @pytest.mark.parametrize("code, status", [(2, 2), (1, 1), (-9, 1)])
 def test_a_failed_worker_reaped_between_two_reads_still_fails_the_job(code, status, capsys):
-    from common import launch
+    from common import spawn
 
     with pytest.raises(SystemExit) as stopped:
-        launch._watch([_EndedWorker("rank1", code)])
+        spawn._watch([_EndedWorker("rank1", code)])
     assert stopped.value.code == status
     if code != 2:  # status 2: the worker printed its own error line
         assert "error: worker rank1" in capsys.readouterr().err
 
 
 def test_of_workers_ending_together_the_one_killed_by_a_signal_is_named(capsys):
-    from common import launch
+    from common import spawn
 
     with pytest.raises(SystemExit):
-        launch._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
+        spawn._watch([_EndedWorker("rank0", 1), _EndedWorker("rank1", -9)])
     assert "worker rank1 was killed by SIGKILL" in capsys.readouterr().err
 
 
 def test_the_worker_named_for_a_failure_is_the_cause_not_a_peer_that_lost_it():
     from common.errors import PEER_LOST_EXIT_STATUS
-    from common.launch import _first_cause
+    from common.spawn import _first_cause
 
     lost, usage, killed = "rank0 lost rank1", "rank1 met a bad image", "rank2 killed"
     assert _first_cause([(lost, PEER_LOST_EXIT_STATUS), (usage, 2)]) == usage
@@ -205,7 +205,7 @@ def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
 
 
 class FakeRayTrainContext:
-    """What common.launch reads of Ray Train's context (ray.train.get_context()) in a worker."""
+    """What common.launcher reads of Ray Train's context (ray.train.get_context()) in a worker."""
 
     def __init__(self, rank, local_rank, world_size, local_world_size, node_rank, name="imagenet-Nov26-1"):
         self.values = (rank, local_rank, world_size, local_world_size, node_rank, name)
@@ -235,7 +235,7 @@ def test_flags_that_start_processes_are_refused_under_ray(flags):
 
 
 def test_a_ray_train_run_restarts_in_the_run_directory_of_its_name():
-    from common.launch import restart_name
+    from common.launcher import restart_name
 
     slurm = {"SLURM_JOB_ID": "77"}  # Ray on a Slurm allocation: Ray's run is the job that restarts
     assert restart_name(slurm, FakeRayTrainContext(0, 0, 2, 2, 0, "imagenet-Nov26_03-00-01-42")) == \
@@ -244,7 +244,7 @@ def test_a_ray_train_run_restarts_in_the_run_directory_of_its_name():
 
 
 def test_the_ray_head_is_the_flag_then_ray_address_then_a_new_cluster():
-    from common.launch import ray_head_address
+    from common.launcher import ray_head_address
 
     assert ray_head_address("h:6379", {"RAY_ADDRESS": "other:1"}) == "h:6379"
     assert ray_head_address(None, {"RAY_ADDRESS": "other:1"}) == "other:1"

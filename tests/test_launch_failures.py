@@ -1,5 +1,5 @@
 """A process that cannot join the process group says why, in its one error line: while joining,
-common.launch holds back what c10d writes to stderr (every failed attempt, with a C++ stack), and
+common.rendezvous holds back what c10d writes to stderr (every failed attempt, with a C++ stack), and
 on a failure it quotes the lines of it that say why (an errno, a name that does not resolve),
 condensed. The logs below are c10d's own (PyTorch 2.14), stack frames cut short."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common import cli
-from common.launch import Launch, RendezvousError, _join_process_group, join_log_causes
+from common.launcher import Launch
+from common.rendezvous import RendezvousError, join_log_causes, join_process_group
 from conftest import REPO, free_port
 
 # rank 1 of 2, node 0 named no-such-node.invalid: what stays when the name does not resolve
@@ -84,7 +85,7 @@ def test_the_log_lines_that_say_why_are_kept_once_and_the_rest_dropped():
 
 
 def srun_task(rank: int, world_size: int, url: str) -> Launch:
-    """What common.launch.discover makes of `srun` with one task per GPU and --dist-url `url`."""
+    """What common.launcher.discover makes of `srun` with one task per GPU and --dist-url `url`."""
     return Launch(launcher="slurm", init_method=url, world_size=world_size, nodes=1, node_rank=0,
                   procs_per_node=world_size, rank=rank, local_rank=rank)
 
@@ -106,7 +107,7 @@ def test_a_port_in_use_at_the_join_fails_at_once_and_names_the_flag_that_changes
         port = holder.getsockname()[1]
         began = time.monotonic()
         with pytest.raises(RendezvousError) as raised:
-            _join_process_group(cfg, srun_task(0, 1, f"tcp://127.0.0.1:{port}"), rank=0, local_rank=0)
+            join_process_group(cfg, srun_task(0, 1, f"tcp://127.0.0.1:{port}"), rank=0, local_rank=0)
     assert time.monotonic() - began < 10  # at once, not after --dist-timeout
     message = str(raised.value)
     assert message.startswith(f"could not join the process group of 1 processes at tcp://127.0.0.1:{port}: "
@@ -119,7 +120,7 @@ def test_a_port_in_use_at_the_join_fails_at_once_and_names_the_flag_that_changes
 def test_a_node_zero_name_that_does_not_resolve_is_said_in_the_error(cpu_threads_kept):
     cfg = cli.parse("ddp", ["--synthetic", "--device", "cpu", "--dist-timeout", "1"])
     with pytest.raises(RendezvousError) as raised:
-        _join_process_group(cfg, srun_task(1, 2, f"tcp://no-such-node.invalid:{free_port()}"), rank=1, local_rank=1)
+        join_process_group(cfg, srun_task(1, 2, f"tcp://no-such-node.invalid:{free_port()}"), rank=1, local_rank=1)
     message = str(raised.value)
     assert message.startswith("could not join the process group of 2 processes at tcp://no-such-node.invalid:")
     # Without this, only "timed out ... trying to connect to (no-such-node.invalid, PORT)": it does not say why.

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from common.distributed import Context
-from common.launch import free_local_port
+from common.launcher import free_local_port
 from common.meters import EpochMetrics, MetricSums, MetricTotals, SplitTiming, topk_correct
 
 # Four samples, six classes; the comment gives the rank of the target's logit.

@@ -13,7 +13,7 @@ from torch import nn
 
 from common import cli, hardware
 from common.errors import UsageError
-from common.launch import free_local_port
+from common.launcher import free_local_port
 from common.engine import sgd_implementation
 from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
 from conftest import REPO, cpu_has_native_bf16, run_command, run_script

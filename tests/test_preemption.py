@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import distributed, launch, preemption
+from common import distributed, launcher, preemption, process_signals
 from common.cli import parse
 from common.errors import STOPPED_EXIT_STATUS, UsageError
 from common.preemption import StopControl
@@ -99,7 +99,7 @@ def _decide_in_two_processes(rank: int, port: int, signalled_rank: int, signal_a
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(signalled_rank):
     results = mp.Manager().dict()
-    mp.spawn(_decide_in_two_processes, args=(launch.free_local_port(), signalled_rank, 4, results), nprocs=2)
+    mp.spawn(_decide_in_two_processes, args=(launcher.free_local_port(), signalled_rank, 4, results), nprocs=2)
     # Signalled before step 5's combination began: its flag is combined at step 5 and seen at step 6.
     assert dict(results) == {0: (6, True), 1: (6, True)}
 
@@ -198,8 +198,8 @@ def test_data_loading_workers_outlive_stop_signals_from_others_but_not_their_tra
     leave the stop to the trainer (it needs them for the steps up to the
     agreed one), yet still exit when the trainer itself stops them."""
     loader = torch.utils.data.DataLoader(_SlowIndices(), batch_size=4, num_workers=2,
-                                         worker_init_fn=launch.data_loader_worker_init,
-                                         multiprocessing_context=launch.data_loader_context())
+                                         worker_init_fn=process_signals.data_loader_worker_init,
+                                         multiprocessing_context=process_signals.data_loader_context())
     batches = iter(loader)
     indices, worker_pids = [], set()
     for step, batch in enumerate(batches):

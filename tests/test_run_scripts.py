@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.launch import first_slurm_host, slurm_port
+from common.launcher import first_slurm_host, slurm_port
 from conftest import REPO, free_port, make_image_folder
 
 RUN_SCRIPTS = REPO / "run_scripts"

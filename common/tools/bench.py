@@ -330,10 +330,10 @@ def child(spec: dict) -> dict:
     """The measurement `spec` asks for, in this process (for comm and scaling:
     in spec["world_size"] processes it starts, common.tools.comm_bench)."""
     if spec["kind"] in ("comm", "scaling"):
-        from common import cli, launch
+        from common import cli, launcher
         from common.tools import comm_bench
 
-        spec = dict(spec, init_method=f"tcp://127.0.0.1:{launch.free_local_port()}")
+        spec = dict(spec, init_method=f"tcp://127.0.0.1:{launcher.free_local_port()}")
         if spec["kind"] == "comm":
             return {"sizes": comm_bench.spawned("comm", spec)}
         flags = ["--synthetic", "-a", spec["arch"], "-b", str(spec["batch_size"]), "--image-size",

@@ -62,10 +62,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from common.arguments import Parser, non_negative_float, positive_float, positive_int
+from common.config import DDP_COMM_HOOKS as HOOKS
 from common.errors import UsageError, error_summary, run_main
 from common.tools import plots
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 MIB = 1 << 20
 DDP_DEFAULT_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
 DDP_FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

@@ -1,0 +1,302 @@
+"""How this job was started: the one place that reads launchers' environment
+variables. Imports no torch, so the command line (common.cli) can use it.
+
+Seven launch styles end up here: plain `python SCRIPT` (one worker spawned
+per GPU of this machine), one command per node (`--dist-url --world-size
+NODES --rank NODE_RANK`, each node spawning its workers), torchrun,
+torch.distributed.launch, srun with one task per GPU, srun with one task per
+node (which spawns like the per-node style), and Ray Train
+(run_scripts/ray_train.py), whose context gives rank and world size and
+which has joined the process group before the script starts.
+`discover` turns flags and environment into a `Launch` plan, which
+common.spawn carries out. This module also names the job for restarts (the
+Slurm job id, torchrun's run id, Ray Train's run) and decides the CPU
+threads of each process (unless OMP_NUM_THREADS says).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+from typing import Mapping, Optional, Tuple
+
+from common.config import Config
+from common.errors import UsageError
+
+SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
+SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the training processes of a job are started and where they meet."""
+
+    launcher: str  # "spawn", "torchrun", "torch.distributed.launch", "slurm" or "ray"
+    init_method: str  # "env://" (the launcher's variables), "tcp://HOST:PORT" of rank 0, or "ray" (joined already)
+    world_size: int  # training processes in the job
+    nodes: int
+    node_rank: int
+    procs_per_node: int
+    rank: Optional[int] = None  # this process's global rank; None when this process spawns the workers
+    local_rank: Optional[int] = None
+    # torchrun after a restart: the attempt number, and the agent's store (host, port) its workers share.
+    restart_attempt: Optional[int] = None
+    agent_store: Optional[Tuple[str, int]] = None
+
+    @property
+    def spawns(self) -> bool:
+        return self.rank is None
+
+    def rank_of(self, local_rank: int) -> int:
+        """Global rank of the local worker `local_rank` that this process spawns."""
+        return self.node_rank * self.procs_per_node + local_rank
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: 'gpu[07-09,12],cpu01' -> 'gpu07',
+    'node[1-2]-ib' -> 'node1-ib' (what `scontrol show hostnames | head -1` prints)."""
+    depth, end = 0, len(nodelist)
+    for index, char in enumerate(nodelist):  # the first comma outside brackets ends the first entry
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = index
+            break
+    entry = nodelist[:end].strip()
+    return re.sub(r"\[([^\]]*)\]", lambda match: re.split(r"[,-]", match.group(1))[0], entry)
+
+
+def slurm_port(job_id: int) -> int:
+    """The port every task of Slurm job `job_id` derives alike, without talking."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def tcp_address(url: str) -> tuple:
+    """(host, port) of a --dist-url tcp://HOST:PORT; a UsageError for any other form."""
+    match = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)", url)
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT (the address of node 0), got {url!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def free_local_port() -> int:
+    """A TCP port on this machine that nothing listens on (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _environment_int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise UsageError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def ray_train_context():
+    """Ray Train's context (rank, world size, run name) when this process is
+    one of its training workers; None otherwise. Ray is not imported here:
+    a process Ray started has it loaded already."""
+    ray_train = sys.modules.get("ray.train")
+    if ray_train is None:
+        return None
+    try:
+        context = ray_train.get_context()
+        context.get_world_rank()  # outside a training worker this raises
+    except Exception:
+        return None
+    return context
+
+
+def ray_head_address(flag: Optional[str], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The Ray cluster that run_scripts/ray_train.py and ray_tune.py join:
+    --address, else RAY_ADDRESS (Ray's own variable), else None (a new one)."""
+    return flag or environ.get("RAY_ADDRESS") or None
+
+
+def check_launcher_flags(cfg: Config, what_the_launcher_did: str, local_rank_too: bool = False) -> None:
+    """A launcher that starts every process itself (torchrun, Ray) leaves no
+    part to the flags that tell this script how to start them."""
+    flags = [("--world-size", cfg.world_size), ("--rank", cfg.rank), ("--dist-url", cfg.dist_url),
+             ("--nproc-per-node", cfg.nproc_per_node)] + ([("--local-rank", cfg.local_rank)] if local_rank_too else [])
+    for flag, value in flags:
+        if value is not None:
+            raise UsageError(f"argument {flag}: {what_the_launcher_did}; drop {flag} "
+                             f"(it is for starting the script with plain python or srun)")
+
+
+RAY_STARTS_THE_PROCESSES = "Ray Train starts the processes and gives them their ranks"
+
+
+def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int, ray_context=None) -> Launch:
+    """How this job is started, from the flags, the environment and Ray
+    Train's context (the only place that reads them): under Ray Train the
+    context gives the ranks; torchrun and torch.distributed.launch set RANK,
+    WORLD_SIZE and LOCAL_RANK; srun sets SLURM_*; otherwise this process
+    spawns the workers of its node (--world-size nodes, --rank this node's)."""
+    per_node_flags = cfg.world_size is not None or cfg.rank is not None
+    if ray_context is not None:
+        # Ray also sets RANK and WORLD_SIZE, but has joined the process group already: it is adopted.
+        return _ray_launch(cfg, ray_context)
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _torchrun_launch(cfg, environ)
+    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ and not per_node_flags:
+        return _slurm_launch(cfg, environ, gpus_visible)
+    return _spawn_launch(cfg, gpus_visible)
+
+
+def _ray_launch(cfg: Config, ray_context) -> Launch:
+    check_launcher_flags(cfg, RAY_STARTS_THE_PROCESSES, local_rank_too=True)
+    world_size, procs_per_node = ray_context.get_world_size(), ray_context.get_local_world_size()
+    return Launch(launcher="ray", init_method="ray", world_size=world_size,
+                  nodes=max(1, -(-world_size // procs_per_node)), node_rank=ray_context.get_node_rank(),
+                  procs_per_node=procs_per_node, rank=ray_context.get_world_rank(),
+                  local_rank=ray_context.get_local_rank())
+
+
+def _torchrun_launch(cfg: Config, environ: Mapping[str, str]) -> Launch:
+    """torchrun, or torch.distributed.launch (which passes --local-rank as a flag)."""
+    check_launcher_flags(cfg, "the launcher already set RANK, WORLD_SIZE and MASTER_ADDR")
+    world_size = _environment_int(environ, "WORLD_SIZE")
+    local_rank = _environment_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else cfg.local_rank
+    if local_rank is None:
+        raise UsageError("environment: RANK and WORLD_SIZE are set but neither LOCAL_RANK nor --local-rank")
+    procs_per_node = (_environment_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
+                      else world_size)
+    launcher = "torch.distributed.launch" if cfg.local_rank is not None else "torchrun"
+    agent_store = "TORCHELASTIC_RESTART_COUNT" in environ and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return Launch(launcher=launcher, init_method="env://", world_size=world_size,
+                  nodes=max(1, world_size // procs_per_node),
+                  node_rank=_environment_int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0,
+                  procs_per_node=procs_per_node, rank=_environment_int(environ, "RANK"), local_rank=local_rank,
+                  restart_attempt=_environment_int(environ, "TORCHELASTIC_RESTART_COUNT") if agent_store else None,
+                  agent_store=((environ["MASTER_ADDR"], _environment_int(environ, "MASTER_PORT"))
+                               if agent_store else None))
+
+
+def _slurm_launch(cfg: Config, environ: Mapping[str, str], gpus_visible: int) -> Launch:
+    """srun: one task per GPU (each task a worker), or one task per node (each spawning its node's workers)."""
+    tasks = _environment_int(environ, "SLURM_STEP_NUM_TASKS")
+    nodes = _environment_int(environ, "SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in environ else 1
+    init_method = _slurm_init_method(cfg, environ)
+    if tasks == nodes and (cfg.nproc_per_node or gpus_visible) > 1:
+        # One task per node (srun --ntasks-per-node=1): each task spawns the workers of its node.
+        return Launch(launcher="slurm", init_method=init_method,
+                      world_size=nodes * (cfg.nproc_per_node or gpus_visible), nodes=nodes,
+                      node_rank=_environment_int(environ, "SLURM_PROCID"),  # one task per node: its rank
+                      procs_per_node=cfg.nproc_per_node or gpus_visible)
+    if cfg.nproc_per_node not in (None, tasks // nodes):
+        raise UsageError(f"argument --nproc-per-node: srun already started {tasks // nodes} processes per "
+                         f"node (one per task); drop the flag or start one task per node")
+    return Launch(launcher="slurm", init_method=init_method, world_size=tasks, nodes=nodes,
+                  node_rank=_environment_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
+                  procs_per_node=max(1, tasks // nodes), rank=_environment_int(environ, "SLURM_PROCID"),
+                  local_rank=_environment_int(environ, "SLURM_LOCALID"))
+
+
+def _slurm_init_method(cfg: Config, environ: Mapping[str, str]) -> str:
+    """Where srun's tasks meet: --dist-url, else the job's first host at a port derived from its id."""
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if cfg.dist_url is not None:
+        tcp_address(cfg.dist_url)  # checks the form
+        return cfg.dist_url
+    if nodelist and "SLURM_JOB_ID" in environ:
+        return f"tcp://{first_slurm_host(nodelist)}:{slurm_port(_environment_int(environ, 'SLURM_JOB_ID'))}"
+    raise UsageError("environment: srun set SLURM_PROCID but not SLURM_JOB_NODELIST and SLURM_JOB_ID; "
+                     "pass --dist-url tcp://HOST:PORT")
+
+
+def _spawn_launch(cfg: Config, gpus_visible: int) -> Launch:
+    """Plain python, on one node or with the per-node flags: this process spawns its node's workers."""
+    nodes = cfg.world_size if cfg.world_size is not None else 1
+    node_rank = cfg.rank if cfg.rank is not None else 0
+    if nodes > 1 and cfg.rank is None:
+        raise UsageError(f"argument --rank: needed with --world-size {nodes} (this node's rank, 0 to {nodes - 1})")
+    if nodes > 1 and cfg.dist_url is None:
+        raise UsageError(f"argument --dist-url: needed with --world-size {nodes} "
+                         f"(tcp://HOST:PORT of node 0, the same on every node)")
+    procs_per_node = cfg.nproc_per_node or max(gpus_visible, 1)
+    if gpus_visible and procs_per_node > gpus_visible and cfg.device != "cpu":
+        raise UsageError(f"argument --nproc-per-node: {procs_per_node} processes but {gpus_visible} GPUs are "
+                         f"visible; DDP runs one process per GPU")
+    if cfg.dist_url is not None:
+        tcp_address(cfg.dist_url)  # checks the form
+        init_method = cfg.dist_url
+    else:
+        init_method = f"tcp://127.0.0.1:{free_local_port()}"
+    return Launch(launcher="spawn", init_method=init_method, world_size=nodes * procs_per_node, nodes=nodes,
+                  node_rank=node_rank, procs_per_node=procs_per_node)
+
+
+def check_before_start(cfg: Config, launch: Launch, gpus_visible: int) -> None:
+    """The mistakes that can be seen before any process waits for another."""
+    uses_gpus = gpus_visible > 0 and cfg.device != "cpu"
+    if cfg.dist_backend == "nccl" and not uses_gpus:
+        raise UsageError("argument --dist-backend: nccl needs CUDA GPUs and none is in use; use gloo")
+    if cfg.sync_bn and not uses_gpus:
+        raise UsageError("argument --sync-bn: SyncBatchNorm needs CUDA GPUs (PyTorch has no CPU implementation)")
+    if launch.spawns and launch.node_rank == 0 and launch.init_method.startswith("tcp://"):
+        # Node 0 hosts the rendezvous: a port already in use is an error now, not a timeout later.
+        host, port = tcp_address(launch.init_method)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # SO_REUSEADDR as the rendezvous server sets it: a port in TIME_WAIT after the last run is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as error:
+                raise UsageError(f"argument --dist-url: port {port} on this node is in use ({error.strerror}); "
+                                 f"choose another port") from None
+
+
+def gpu_of_its_own(launcher: str, gpus_visible: int, local_rank: int) -> bool:
+    """Whether local rank `local_rank` has a GPU no other process of its node
+    takes (or runs on the CPU). srun --gpus-per-task=1, or a cgroup per task,
+    shows each process its own GPU alone, as device 0."""
+    return gpus_visible == 0 or local_rank < gpus_visible or (launcher == "slurm" and gpus_visible == 1)
+
+
+def cpu_threads_per_process(procs_per_node: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
+    """The CPU threads each of a node's `procs_per_node` CPU processes should
+    use: its share of the node's cores, since they share them (each would
+    start one thread per core otherwise); None when OMP_NUM_THREADS already
+    says."""
+    if "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // procs_per_node)
+
+
+def launched_identity(environ: Mapping[str, str] = os.environ) -> Tuple[Optional[int], Optional[int]]:
+    """(rank, local rank) of this process when a launcher (torchrun,
+    torch.distributed.launch, srun) started it as one of several; (None, None)
+    otherwise. For reporting an error once per node, even before the process
+    group exists."""
+    for rank_name, local_name, needs in (("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+                                         ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")):
+        if needs in environ and environ.get(rank_name, "").isdigit():
+            local = environ.get(local_name, "")
+            return int(environ[rank_name]), int(local) if local.isdigit() else None
+    return None, None
+
+
+def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The Slurm job this process runs in (what `scontrol requeue` takes); None outside Slurm."""
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def restart_name(environ: Mapping[str, str] = os.environ, ray_context=None) -> Optional[str]:
+    """A name for this job that stays the same when it starts again (requeued
+    by Slurm, restarted by torchrun or by Ray Train after a failure):
+    slurm-<job>[_<array task>], torchrun-<run id> or ray-<Ray Train run>;
+    None when the launcher gives none."""
+    if ray_context is not None:  # run_scripts/ray_train.py names each of its runs afresh
+        return f"ray-{ray_context.get_experiment_name()}"
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"slurm-{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    job_id = slurm_job_id(environ)
+    if job_id:
+        return f"slurm-{job_id}"
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id not in ("", "none"):
+        return f"torchrun-{run_id}"
+    return None

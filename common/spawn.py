@@ -1,0 +1,217 @@
+"""Starting the training processes of this node: `start` runs
+`train(cfg, ctx)` in this process when a launcher made it one worker, or
+spawns one worker per GPU and watches them, following the plan of
+common.launcher. A worker that fails stops its local peers; Ctrl-C or
+SIGTERM stops them all; workers and their data-loading processes die with
+their parent (common.process_signals), so no process outlives the job. Each
+worker joins the process group (common.rendezvous) and leaves it at the end.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from common.config import Config
+from common.distributed import Context
+from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
+                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, error_summary,
+                           exit_status, program, skip_final_collection)
+from common.launcher import Launch, check_before_start, discover, ray_train_context
+from common.process_signals import die_with_parent, ignore_stop_signals_until_training
+from common.rendezvous import join_process_group
+
+WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
+WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
+
+
+# What a collective raises when a peer process has gone (gloo, NCCL): the peer's own output says why.
+_PEER_LOSS_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                       "NCCL communicator was aborted", "remote process exited or there was a network error")
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_LOSS_MESSAGES)
+
+
+def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int,
+                spawned: bool = False) -> None:
+    """Join the process group, train, leave. A collective broken by a peer
+    that failed is one line (under a launcher: its log is the place to look)
+    or, in a worker this script spawned, a quiet exit for the spawner to
+    report: not a second traceback beside the one that matters."""
+    rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
+    ctx = join_process_group(cfg, launch, rank, local_rank)
+    try:
+        train(cfg, ctx)
+    except RuntimeError as error:
+        if not _lost_a_peer(error):
+            raise
+        if not spawned:
+            print(f"{program()}: error: rank {rank}: lost the connection to another process "
+                  f"({error_summary(error)}); it failed or was stopped: its output says why", file=sys.stderr,
+                  flush=True)
+        sys.exit(PEER_LOST_EXIT_STATUS)
+    finally:
+        if launch.launcher != "ray":  # Ray Train leaves the group it joined
+            dist.destroy_process_group()
+
+
+def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
+    die_with_parent()
+    # A process started by the spawn context inherits "spawn" as its default start method, so its
+    # DataLoader workers would be spawned too: every epoch, for training and again for validation,
+    # each of them importing torch afresh. Measured: the digits demo's epoch took about 20 s instead
+    # of 2.6 on the H200 machine, and 3 short epochs 48 s instead of 3.5 on 2 CPU cores. Forgetting it
+    # makes them fork, as under torchrun and in imagenet_nd.py.
+    multiprocessing.set_start_method(None, force=True)
+    # Until training starts (and asks for a clean stop instead), SIGTERM unwinds as for Ctrl-C, so
+    # data-loading processes and their shared-memory queues are cleaned up (SIGKILL follows if this
+    # takes too long).
+    signal.signal(signal.SIGTERM, _interrupt)
+    ignore_stop_signals_until_training()
+    try:
+        _run_worker(train, cfg, launch, local_rank, spawned=True)
+    except (UsageError, KeyboardInterrupt) as error:
+        # Ctrl-C reaches every process of the terminal: the spawner says it, not each worker.
+        sys.exit(exit_status(error, launch.rank_of(local_rank), local_rank, say_interrupted=False))
+    finally:
+        skip_final_collection()
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _stop(processes) -> None:
+    """SIGTERM every live worker, then SIGKILL what is still alive after a grace period."""
+    processes = [process for process in processes if process.pid is not None]  # Ctrl-C may come mid-start
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + WORKER_KILL_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
+    """Start this node's workers and wait for them. The first failure stops
+    the rest (after a moment to exit on their own) and sets the exit status.
+    Stop signals (SIGTERM, --preempt-signal) are passed on to the workers,
+    which stop cleanly together; a second one, or Ctrl-C, stops them at once."""
+    spawn = multiprocessing.get_context("spawn")  # fork would copy a CUDA-initialised parent
+    workers = [spawn.Process(target=_spawned_worker, args=(local_rank, train, cfg, launch),
+                             name=f"rank{launch.rank_of(local_rank)}")
+               for local_rank in range(launch.procs_per_node)]
+
+    signals_received = []
+
+    def pass_on(signum, frame):
+        signals_received.append(signum)
+        if len(signals_received) > 1:  # asked twice: stop now (a hung job must still be stoppable)
+            raise KeyboardInterrupt
+        for worker in workers:
+            if worker.pid is not None and worker.exitcode is None:
+                try:
+                    os.kill(worker.pid, signum)
+                except ProcessLookupError:  # it exited meanwhile
+                    pass
+
+    stop_signals = {signal.SIGTERM, signal.Signals[cfg.preempt_signal]}
+    previous = {signum: signal.signal(signum, pass_on) for signum in stop_signals}
+    try:
+        for worker in workers:
+            worker.start()
+        _watch(workers)
+    except KeyboardInterrupt:
+        _stop(workers)
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _watch(workers) -> None:
+    """Wait until every worker has exited with status 0 (or all stopped
+    cleanly on a signal: then exit with STOPPED_EXIT_STATUS), or report the
+    first failure (which stops the others and exits)."""
+    running = list(workers)
+    stopped = False
+    while running:
+        multiprocessing.connection.wait([worker.sentinel for worker in running])
+        # Read each exit code once: a read as None (not yet reaped) and then as 2 by a second read
+        # would drop a failed worker without reporting it, and the job would exit 0.
+        exit_codes = [(worker, worker.exitcode) for worker in running]
+        stopped = stopped or any(code == STOPPED_EXIT_STATUS for _, code in exit_codes)
+        running = [worker for worker, code in exit_codes if code is None]
+        if _failures(exit_codes):
+            _report_failure(workers, running)
+    if stopped:
+        sys.exit(STOPPED_EXIT_STATUS)
+
+
+def _failures(exit_codes):
+    """The (worker, exit code) pairs of workers that ended with an error (not done, nor stopped cleanly)."""
+    return [(worker, code) for worker, code in exit_codes if code not in (None, 0, STOPPED_EXIT_STATUS)]
+
+
+def _first_cause(failed):
+    """Of workers that ended together, the one to name: one killed by a signal
+    before one that exited with an error status, and either before one that
+    only lost its connection to them."""
+    return min(failed, key=lambda pair: (pair[1] >= 0, pair[1] == PEER_LOST_EXIT_STATUS))[0]
+
+
+def _report_failure(workers, running) -> None:
+    if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
+        multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
+    ended = [(worker, worker.exitcode) for worker in workers]
+    failed = _first_cause(_failures(ended))
+    _stop([worker for worker, code in ended if code is None])
+    code = failed.exitcode
+    # A UsageError, a NaN loss, a checkpoint the run could not write: the worker has said it.
+    if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS):
+        sys.exit(code)
+    if code == INTERRUPTED_EXIT_STATUS:
+        raise KeyboardInterrupt
+    how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
+    if code == PEER_LOST_EXIT_STATUS:
+        how = "lost its connection to another process (one on another node failed or was stopped?)"
+    if code == -signal.SIGKILL:
+        how += " (by the kernel's out-of-memory killer, if nobody sent it)"
+    print(f"{program()}: error: worker {failed.name} {how}; stopped the other workers of this node",
+          file=sys.stderr, flush=True)
+    sys.exit(FAILED_EXIT_STATUS)
+
+
+def start(train: Callable[[Config, Context], None], cfg: Config) -> None:
+    """Run `train(cfg, ctx)` in every training process of this node: here,
+    when a launcher started this process as one worker; otherwise in one
+    spawned worker per GPU (or per --nproc-per-node on the CPU)."""
+    gpus_visible = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    plan = discover(cfg, os.environ, gpus_visible, ray_train_context())
+    check_before_start(cfg, plan, gpus_visible)
+    if not plan.spawns:
+        _run_worker(train, cfg, plan, plan.local_rank)
+        return
+    if plan.node_rank == 0:
+        print(f"starting {plan.procs_per_node} worker processes on this node ({plan.nodes} node(s), world size "
+              f"{plan.world_size}, rendezvous {plan.init_method})", flush=True)
+    _spawn_and_watch(train, cfg, plan)
