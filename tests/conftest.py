@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+
+from common.ports import free_port  # noqa: F401 -- the tests' free port (`from conftest import free_port`), common/'s
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,19 +160,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def free_port(low: int = 20000, high: int = 30000) -> int:
-    """A port nothing listens on, from [low, high) (tests aim at ranges, such as the Slurm-derived one)."""
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
 
 
 def running(pid: int) -> bool:

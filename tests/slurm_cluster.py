@@ -9,7 +9,8 @@ can be tried on one machine; without them the cluster is this machine alone, one
 
 stop() ends it all and restores what it changed: jobs cancelled, every process started with the
 cluster's SLURM_CONF killed, namespaces, links and /etc/hosts lines removed, exactly those that
-start() added. Tests use it through the session fixture in test_slurm.py.
+start() added. Tests use it through the session fixture in test_slurm.py. The namespaces, the
+bridge and the veth pairs are common.tools.netns's, as Validation B's link is.
 """
 from __future__ import annotations
 
@@ -26,13 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python tests/slurm_cluster.py` puts only tests/ there: `common` is in the repository
+    sys.path.insert(0, str(REPO))
+from common import ports  # noqa: E402
+from common.tools import netns  # noqa: E402
+from common.tools.netns import NETNS_DIR  # noqa: E402
+
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "ip", "nsenter", "unshare")
 HOSTS_FILE = Path("/etc/hosts")
-NETNS_DIR = Path("/run/netns")  # where `ip netns add` names namespaces: made, and bind-mounted, by the first one
 TAG_VARIABLE = "IMAGENET_TEST_SLURM_CLUSTER"
-_CLUSTER_LETTERS = iter("abcdefghijklmnopqrstuvwxyz")
 # imn<PID of the process that made it><letter>, then br (bridge), v<i> (link), n<i> (namespace).
-_TAG = re.compile(r"\bimn(\d+)[a-z](?=br\b|v\d+\b|n\d+\b|\s|$)")
+TAGS = netns.Tags("imn")
 
 
 def missing_reason(namespaces: bool) -> Optional[str]:
@@ -50,25 +56,19 @@ def missing_reason(namespaces: bool) -> Optional[str]:
 
 def _namespace_probe_failure() -> Optional[str]:
     """Try what a two-node cluster does (a namespace, a bridge, a veth pair into the namespace, a host
-    name of its own) and undo it; says what failed (None: all worked). Named as a cluster of ours
-    (letter y), so that sweep_abandoned removes it should this process die half-way."""
-    tag, made_netns_dir = f"imn{os.getpid()}y", not NETNS_DIR.exists()
-    tries = [(["ip", "netns", "add", f"{tag}n0"], "network namespaces"),
-             (["ip", "link", "add", f"{tag}br", "type", "bridge"], "bridges"),
-             (["ip", "link", "add", f"{tag}v0", "type", "veth", "peer", "name", "eth0", "netns", f"{tag}n0"], "veth pairs"),
-             (["nsenter", f"--net={NETNS_DIR / f'{tag}n0'}", "unshare", "--uts", "hostname", "nodeA"], "UTS namespaces")]
+    name of its own) and undo it; says what failed (None: all worked). Named as a cluster of ours, so
+    that sweep_abandoned removes it should this process die half-way."""
+    network = netns.Network(TAGS.new())
     try:
-        for command, what in tries:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=30)
-            if result.returncode != 0:
-                return f"no {what} here ({' '.join(command[:3])}: {result.stderr.strip()})"
+        namespace = network.add_namespace(0)
+        network.add_veth(f"{network.tag}v0", "eth0", peer_namespace=namespace, bridge=network.add_bridge())
+        netns.run("nsenter", f"--net={NETNS_DIR / namespace}", "unshare", "--uts", "hostname", "nodeA",
+                  what="UTS namespaces", timeout=30)
         return None
+    except netns.NetworkError as error:
+        return error.missing()
     finally:
-        for command in (["ip", "link", "delete", f"{tag}v0"], ["ip", "link", "delete", f"{tag}br"],
-                        ["ip", "netns", "delete", f"{tag}n0"]):
-            subprocess.run(command, capture_output=True, timeout=30)
-        if made_netns_dir:
-            remove_empty_netns_dir()
+        network.remove()
 
 
 @dataclass
@@ -93,13 +93,12 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self.processes: List[subprocess.Popen] = []
         self.nodes: List[Node] = []
-        self.bridge: Optional[str] = None
-        self.made_netns_dir = False  # whether our first namespace made /run/netns (stop removes it then)
         self.hosts_lines: List[str] = []
         # Names of this cluster's links, namespaces and /etc/hosts lines: our PID (so that a later run
         # can tell an abandoned cluster's from a live one's, sweep_abandoned) and a letter per cluster
-        # of this process; 15 characters at most with their suffixes, Linux's limit for a link name.
-        self.tag = f"imn{os.getpid()}{next(_CLUSTER_LETTERS)}"
+        # of this process (netns.Tags).
+        self.tag = TAGS.new()
+        self.network = netns.Network(self.tag)  # the namespaces and links start() makes; stop() removes them
 
     # --- the environment a client (sbatch, scontrol) or a job needs ---
     @property
@@ -148,39 +147,16 @@ class SlurmCluster:
         if others:
             raise RuntimeError(f"another test Slurm cluster is up on this machine ({HOSTS_FILE}: {others[0]!r}): "
                                "stop it first (Ctrl-C where `tests/slurm_cluster.py` runs)")
-        subnet = self._free_subnet()
-        self.made_netns_dir = not NETNS_DIR.exists()
-        self.bridge = f"{self.tag}br"
-        self._ip("link", "add", self.bridge, "type", "bridge")
-        self._ip("addr", "add", f"{subnet}.1/24", "dev", self.bridge)
-        self._ip("link", "set", self.bridge, "up")
+        subnet = netns.free_subnet("10.213")
+        bridge = self.network.add_bridge(f"{subnet}.1")
         for index in range(self.node_count):
-            name, namespace = f"node{chr(ord('A') + index)}", f"{self.tag}n{index}"
-            node = Node(name, f"{subnet}.{11 + index}", namespace)
-            self._ip("netns", "add", namespace)
+            node = Node(f"node{chr(ord('A') + index)}", f"{subnet}.{11 + index}", self.network.add_namespace(index))
             self.nodes.append(node)
-            link = f"{self.tag}v{index}"
-            self._ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", namespace)
-            self._ip("link", "set", link, "master", self.bridge)
-            self._ip("link", "set", link, "up")
-            self._ip("-n", namespace, "addr", "add", f"{node.address}/24", "dev", "eth0")
-            self._ip("-n", namespace, "link", "set", "eth0", "up")
-            self._ip("-n", namespace, "link", "set", "lo", "up")
+            self.network.add_veth(f"{self.tag}v{index}", "eth0", peer_namespace=node.namespace, bridge=bridge)
+            netns.configure(node.namespace, "eth0", node.address)
         # The node names must resolve everywhere: srun, torchrun's rendezvous and gloo look them up.
         self._add_hosts_lines([f"{node.address} {node.name}  # {self.tag} test Slurm cluster" for node in self.nodes])
         return f"{subnet}.1"
-
-    def _free_subnet(self) -> str:
-        used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
-        used += subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
-        for third in range(os.getpid() % 200, os.getpid() % 200 + 50):
-            subnet = f"10.213.{third % 250}"
-            if f" {subnet}." not in used:
-                return subnet
-        raise RuntimeError("no free 10.213.x.0/24 subnet for the test cluster")
-
-    def _ip(self, *argv: str) -> None:
-        self.run("ip", *argv, env=dict(os.environ))
 
     def _add_hosts_lines(self, lines: List[str]) -> None:
         text = HOSTS_FILE.read_text()
@@ -201,7 +177,7 @@ class SlurmCluster:
 
     def _write_config(self, controller_address: str) -> None:
         hostname = socket.gethostname().split(".")[0]
-        ctld_port, slurmd_port = _free_port(), _free_port()
+        ctld_port, slurmd_port = ports.free_port(), ports.free_port()
         lines = [
             "ClusterName=imagenet-tests",
             f"SlurmctldHost={hostname}({controller_address})",
@@ -281,8 +257,8 @@ class SlurmCluster:
     def lose_node(self, node: Node) -> None:
         """The node fails: its slurmd and every process in its network namespace die at once."""
         assert node.namespace, "only a node in its own namespace can be lost"
-        for pid in self._namespace_pids(node.namespace):
-            _kill(pid, signal.SIGKILL)
+        for pid in netns.namespace_pids(node.namespace):
+            netns.kill(pid)
         if node.process is not None:
             node.process.wait(timeout=10)
 
@@ -325,8 +301,8 @@ class SlurmCluster:
         Each step runs whatever the one before it did, and Ctrl-C or SIGTERM wait until the end: a
         half-done stop would leave daemons, namespaces or a half-written /etc/hosts behind."""
         problems: List[str] = []
-        steps = (self._cancel_jobs, self._end_daemons, self._kill_leftover_processes, self._remove_namespaces,
-                 self._remove_links, self._remove_hosts_lines)
+        steps = (self._cancel_jobs, self._end_daemons, self._kill_leftover_processes, self._remove_network,
+                 self._remove_hosts_lines)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             for step in steps:
@@ -360,27 +336,14 @@ class SlurmCluster:
         for _ in range(3):
             leftovers = self.leftover_pids()
             for pid in leftovers:
-                _kill(pid, signal.SIGKILL)
+                netns.kill(pid)
             if not leftovers:
                 break
             time.sleep(0.5)
         return []
 
-    def _remove_namespaces(self) -> List[str]:
-        problems = []
-        for node in self.nodes:
-            if node.namespace:
-                problems += _delete_namespace(node.namespace)
-        if self.made_netns_dir and not problems:
-            problems += remove_empty_netns_dir()
-        return problems
-
-    def _remove_links(self) -> List[str]:
-        if self.bridge:
-            for index in range(self.node_count):   # veth ends go with their namespace; in case one did not
-                subprocess.run(["ip", "link", "delete", f"{self.tag}v{index}"], capture_output=True)
-            subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
-        return []
+    def _remove_network(self) -> List[str]:
+        return self.network.remove()
 
     def _remove_hosts_lines(self) -> List[str]:
         if self.hosts_lines:
@@ -396,11 +359,7 @@ class SlurmCluster:
 
     def traces(self) -> List[str]:
         """What of the cluster is still on the machine: processes, namespaces, links, /etc/hosts lines."""
-        found = [f"process {pid} still running" for pid in self.leftover_pids()]
-        for listing in (["ip", "netns", "list"], ["ip", "-o", "link"]):
-            text = subprocess.run(listing, capture_output=True, text=True).stdout
-            found += [f"{' '.join(listing[1:])}: {word.rstrip(':')}" for line in text.splitlines()
-                      for word in line.split() if self.tag in word]
+        found = [f"process {pid} still running" for pid in self.leftover_pids()] + self.network.traces()
         hosts = HOSTS_FILE.read_text() if HOSTS_FILE.exists() else ""
         found += [f"/etc/hosts: {line}" for line in hosts.splitlines() if self.tag in line]
         return found
@@ -409,39 +368,20 @@ class SlurmCluster:
         """Processes started with this cluster's SLURM_CONF in their environment (ours excluded)."""
         return [pid for pid, conf in _environment_values("SLURM_CONF").items() if conf == str(self.conf)]
 
-    @staticmethod
-    def _namespace_pids(namespace: str) -> List[int]:
-        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
-        return [int(pid) for pid in result.stdout.split()]
-
 
 def sweep_abandoned() -> List[str]:
     """Remove what test clusters of processes that no longer exist left behind (a test run killed
     with SIGKILL, or by a power cut, cannot stop its cluster): their processes, namespaces, links and
     /etc/hosts lines. A live process's cluster is never touched. Returns what was removed."""
-    def abandoned(text: str) -> Optional[str]:
-        match = _TAG.search(text)
-        return match.group(0) if match and not Path(f"/proc/{match.group(1)}").exists() else None
-
     removed = []
     for pid, tag in _environment_values(TAG_VARIABLE).items():
-        if abandoned(tag):
-            _kill(pid, signal.SIGKILL)
+        if TAGS.abandoned(tag):
+            netns.kill(pid)
             removed.append(f"process {pid}")
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-    for name in namespaces:
-        if re.fullmatch(r"imn\d+[a-z]n\d+", name) and abandoned(name):
-            _delete_namespace(name)
-            removed.append(f"namespace {name}")
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
-    for line in links:
-        name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
-        if re.fullmatch(r"imn\d+[a-z](br|v\d+)", name) and abandoned(name):
-            subprocess.run(["ip", "link", "delete", name], capture_output=True)
-            removed.append(f"link {name}")
+    removed += netns.sweep_abandoned(TAGS)
     if HOSTS_FILE.exists():
         lines = HOSTS_FILE.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if not ("test Slurm cluster" in line and abandoned(line))]
+        kept = [line for line in lines if not ("test Slurm cluster" in line and TAGS.abandoned(line))]
         if len(kept) != len(lines):
             HOSTS_FILE.write_text("".join(kept))
             removed += [f"/etc/hosts line {line.strip()!r}" for line in lines if line not in kept]
@@ -464,37 +404,6 @@ def _environment_values(name: str) -> Dict[int, str]:
     return found
 
 
-def _delete_namespace(name: str) -> List[str]:
-    """Kill what runs in network namespace `name`, then delete it; returns what could not be done."""
-    for pid in SlurmCluster._namespace_pids(name):
-        _kill(pid, signal.SIGKILL)
-    result = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-    if result.returncode != 0 and (NETNS_DIR / name).exists():
-        return [f"namespace {name}: {result.stderr.strip()}"]
-    return []
-
-
-def remove_empty_netns_dir() -> List[str]:
-    """/run/netns as it was before our first namespace: absent (while no other namespace is in it).
-    Returns what could not be undone."""
-    if not NETNS_DIR.exists() or any(NETNS_DIR.iterdir()):
-        return []
-    while _is_mount_point(NETNS_DIR):  # iproute2 bind-mounts it on itself, same device: os.path.ismount misses it
-        if subprocess.run(["umount", str(NETNS_DIR)], capture_output=True).returncode != 0:
-            return [f"{NETNS_DIR}: could not be unmounted"]
-    try:
-        NETNS_DIR.rmdir()
-    except OSError as error:
-        return [f"{NETNS_DIR}: {error.strerror}"]
-    return []
-
-
-def _is_mount_point(path: Path) -> bool:
-    # /proc/self/mountinfo: the fifth field is the mount point (spaces written as \040).
-    with open("/proc/self/mountinfo") as mounts:
-        return any(line.split()[4].replace("\\040", " ") == str(path) for line in mounts)
-
-
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
@@ -509,19 +418,6 @@ class SigtermInterrupts:
 
     def __exit__(self, *exc_info):
         signal.signal(signal.SIGTERM, self.previous)
-
-
-def _kill(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_for(condition, timeout: float, what: str, log: Path) -> None:

@@ -18,7 +18,7 @@ from conftest import REPO
 COMMON = REPO / "common"
 MAX_CLASS_LINES = 150
 # The bottom layer: what every module may import, and which imports no other module of common/ than these.
-BOTTOM = {"common.errors", "common.config", "common.arguments", "common.hardware"}
+BOTTOM = {"common.errors", "common.config", "common.arguments", "common.hardware", "common.ports"}
 # Only the entry scripts and the tools import the command line; and the Ray launchers' driver, which checks
 # the training command with the script's own parser before Ray starts.
 CLI_IMPORTERS = {"common.tools.bench", "common.ray_cluster"}

@@ -360,17 +360,15 @@ def test_srun_per_gpu_trains_for_real(fake_slurm, tmp_path):
 
 
 # The training script under torchrun in the test below: imagenet_ddp.py itself, with two test hooks
-# from outside (none in the product). After its first optimizer step it sends SIGUSR1 to its parent,
-# torchrun, as Slurm's warning would (torchrun passes it back to it); each checkpoint write sleeps
-# SLOW_SAVE_SECONDS between writing the temporary file and renaming it, as a slow shared file system
-# would. It notes when that write began and the status it exits with.
+# from outside (none in the product; tests/hooked_training.py runs it). After its first optimizer step
+# it sends SIGUSR1 to its parent, torchrun, as Slurm's warning would (torchrun passes it back to it);
+# each checkpoint write sleeps SLOW_SAVE_SECONDS between writing the temporary file and renaming it, as
+# a slow shared file system would. It notes when that write began and the status it exits with.
 SLOW_SAVER = '''
-import os, runpy, signal, sys, time
-from pathlib import Path
+import os, signal, sys, time
 
-repo, notes = Path(os.environ["TEST_REPO"]), Path(os.environ["TEST_NOTES"])
-sys.path.insert(0, str(repo))
-import torch
+sys.path.insert(0, os.path.join(os.environ["TEST_REPO"], "tests"))
+from hooked_training import NOTES, run_imagenet_ddp
 from common import rundir
 
 atomic_write = rundir.atomic_write
@@ -380,30 +378,19 @@ def slow_atomic_write(path, write):
     def write_slowly(handle):
         write(handle)
         if path.name.endswith(".pth.tar"):
-            (notes / "save-began").touch()
+            (NOTES / "save-began").touch()
             time.sleep(float(os.environ["SLOW_SAVE_SECONDS"]))
     atomic_write(path, write_slowly)
 
 
-rundir.atomic_write = slow_atomic_write
-step = torch.optim.SGD.step
-
-
-def step_then_warn(self, *args, **kwargs):
-    result = step(self, *args, **kwargs)
-    if not (notes / "signalled").exists():
-        (notes / "signalled").touch()
+def warn_once():
+    if not (NOTES / "signalled").exists():
+        (NOTES / "signalled").touch()
         os.kill(os.getppid(), signal.SIGUSR1)
-    return result
 
 
-torch.optim.SGD.step = step_then_warn
-sys.argv[0] = str(repo / "imagenet_ddp.py")
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as exit:
-    (notes / "exit-status").write_text(str(exit.code))
-    raise
+rundir.atomic_write = slow_atomic_write
+run_imagenet_ddp(after_step=warn_once, note_exit=lambda status: (NOTES / "exit-status").write_text(str(status)))
 '''
 SLOW_SAVE_SECONDS = 6
 # 6 steps an epoch (24 images, 4 a step, 1 process): the signal after step 1 stops it within epoch 0.

@@ -27,8 +27,8 @@ import torch
 
 from common.rundir import CHECKPOINT_NAME
 from conftest import REPO, free_port, is_timing_column
-from slurm_cluster import (HOSTS_FILE, NETNS_DIR, TAG_VARIABLE, SigtermInterrupts, SlurmCluster, missing_reason,
-                           remove_empty_netns_dir, sweep_abandoned)
+from common.tools.netns import NETNS_DIR, remove_empty_netns_dir
+from slurm_cluster import HOSTS_FILE, TAG_VARIABLE, SigtermInterrupts, SlurmCluster, missing_reason, sweep_abandoned
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -171,20 +171,19 @@ def test_each_batch_file_trains_as_the_readme_says_and_matches_a_run_without_slu
 
 
 # The training script of the stop tests: imagenet_ddp.py itself, run through this wrapper (a test hook
-# from outside; nothing in the product). After GATE_STEP optimizer steps (counted over the run, once
-# per test: the resumed run passes through) every process waits, up to 3 minutes, until a signal has
-# reached it or the test releases it, so that the signal comes mid-epoch however fast or slow the
-# machine is. It notes where it waits, the signals it got, and how it exited.
+# from outside; nothing in the product; tests/hooked_training.py runs it). After GATE_STEP optimizer
+# steps (counted over the run, once per test: the resumed run passes through) every process waits, up
+# to 3 minutes, until a signal has reached it or the test releases it, so that the signal comes
+# mid-epoch however fast or slow the machine is. It notes where it waits, the signals it got, and how
+# it exited.
 GATED_TRAINING_SCRIPT = '''
-import os, runpy, signal, sys, time
-from pathlib import Path
+import os, signal, sys, time
 
-repo, notes = Path(os.environ["TEST_REPO"]), Path(os.environ["TEST_NOTES"])
+sys.path.insert(0, os.path.join(os.environ["TEST_REPO"], "tests"))
+from hooked_training import NOTES, run_imagenet_ddp
+
 rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 gate_step, steps = int(os.environ["GATE_STEP"]), [0]
-sys.path.insert(0, str(repo))
-import torch
-
 install = signal.signal
 
 
@@ -192,35 +191,24 @@ def noting(signum, handler):
     if not callable(handler):
         return install(signum, handler)
     def note_then_handle(number, frame):
-        (notes / f"got-{signal.Signals(number).name}-rank{rank}").touch()
+        (NOTES / f"got-{signal.Signals(number).name}-rank{rank}").touch()
         return handler(number, frame)
     return install(signum, note_then_handle)
 
 
-signal.signal = noting
-step = torch.optim.SGD.step
-
-
-def step_then_wait(self, *args, **kwargs):
-    result = step(self, *args, **kwargs)
+def wait_at_the_gate():
     steps[0] += 1
-    if steps[0] == gate_step and not (notes / "released").exists():
-        (notes / f"waiting-rank{rank}").touch()
+    if steps[0] == gate_step and not (NOTES / "released").exists():
+        (NOTES / f"waiting-rank{rank}").touch()
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not (notes / "released").exists():
-            if list(notes.glob(f"got-*-rank{rank}")):
+        while time.monotonic() < deadline and not (NOTES / "released").exists():
+            if list(NOTES.glob(f"got-*-rank{rank}")):
                 break
             time.sleep(0.1)
-    return result
 
 
-torch.optim.SGD.step = step_then_wait
-sys.argv[0] = str(repo / "imagenet_ddp.py")
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-except SystemExit as exit:
-    (notes / f"exit-{exit.code}-rank{rank}").touch()
-    raise
+signal.signal = noting
+run_imagenet_ddp(after_step=wait_at_the_gate, note_exit=lambda status: (NOTES / f"exit-{status}-rank{rank}").touch())
 '''
 
 

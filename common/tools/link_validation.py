@@ -25,18 +25,17 @@ timestamps on), 95.6%.
 Needs root, iproute2 (ip netns, veth) and tc with the tbf qdisc; missing_reason()
 says what is missing. Everything made is named imlv<pid><letter>... and removed
 at the end, and what an earlier process killed before its clean-up left is
-removed first (sweep_abandoned).
+removed first: the namespaces and the veth pair are common.tools.netns's, as
+the tests' Slurm cluster's are.
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +47,12 @@ from typing import Dict, List, Optional, Sequence
 
 from common.arguments import Parser, positive_float, positive_int
 from common.errors import UsageError, run_main
-from common.tools import scaling
+from common.ports import free_port
+from common.tools import netns, scaling
 
 REPO = Path(__file__).resolve().parents[2]
-NETNS_DIR = Path("/run/netns")  # `ip netns add` makes it (a bind mount) with the first namespace
-_LETTERS = itertools.count()
-_TAG = re.compile(r"^imlv(\d+)[a-z]+(n[01]|[ab])$")
+# imlv<PID of the process that made it><letter>, then n0 and n1 (the namespaces), a and b (the veth pair's ends).
+TAGS = netns.Tags("imlv")
 # TCP payload over the Ethernet frame tbf counts, at MTU 1500: 1500 - 20 (IP) - 20 (TCP) - 12 (timestamps)
 # = 1448 bytes in 1514 (the 14-byte Ethernet header; tbf sees the frame without preamble or CRC).
 TCP_PAYLOAD_FRACTION = 1448 / 1514
@@ -74,10 +73,6 @@ def parse_rate(text: str) -> float:
     return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
 
 
-def _run(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-
-
 def missing_reason() -> Optional[str]:
     """Why this machine cannot run the validation (None when it can): tries a
     namespace pair, a veth pair between them and tbf on it, and undoes them."""
@@ -89,13 +84,13 @@ def missing_reason() -> Optional[str]:
     try:
         with VethPair(200e6):
             pass
-    except LinkError as error:
-        return str(error)
+    except netns.NetworkError as error:
+        return error.missing()
     return None
 
 
 class LinkError(RuntimeError):
-    """A step of making the link failed: what, and the command's own words."""
+    """A measurement or a training run over the link failed: which, and its own words."""
 
 
 class VethPair:
@@ -104,27 +99,23 @@ class VethPair:
     A context manager: whatever was made is removed on leaving, even half-way."""
 
     def __init__(self, rate_bits_per_second: float, burst: str = "64kb", latency: str = "50ms"):
-        self.tag = f"imlv{os.getpid()}{chr(ord('a') + next(_LETTERS) % 26)}"
+        self.network = netns.Network(TAGS.new())
+        self.tag = self.network.tag
         self.namespaces = (f"{self.tag}n0", f"{self.tag}n1")
         self.interfaces = (f"{self.tag}a", f"{self.tag}b")
         self.rate, self.burst, self.latency = rate_bits_per_second, burst, latency
         self.addresses = ("", "")
-        self.made_netns_dir = False
 
     def __enter__(self) -> "VethPair":
-        sweep_abandoned()
-        self.made_netns_dir = not NETNS_DIR.exists()
+        netns.sweep_abandoned(TAGS)
         try:
-            subnet = self._free_subnet()
+            subnet = netns.free_subnet("10.214")
             self.addresses = (f"{subnet}.1", f"{subnet}.2")
-            for namespace in self.namespaces:
-                self._must("network namespaces", "ip", "netns", "add", namespace)
-            self._must("veth pairs", "ip", "link", "add", self.interfaces[0], "netns", self.namespaces[0], "type",
-                       "veth", "peer", "name", self.interfaces[1], "netns", self.namespaces[1])
+            for index in range(len(self.namespaces)):
+                self.network.add_namespace(index)
+            self.network.add_veth(*self.interfaces, *self.namespaces)
             for namespace, interface, address in zip(self.namespaces, self.interfaces, self.addresses):
-                self._must("addresses", "ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
-                self._must("links up", "ip", "-n", namespace, "link", "set", interface, "up")
-                self._must("loopback", "ip", "-n", namespace, "link", "set", "lo", "up")
+                netns.configure(namespace, interface, address)
             self.set_rate(self.rate)
         except BaseException:
             self.remove()
@@ -138,9 +129,9 @@ class VethPair:
         """tbf on both ends at this rate (each direction of the link apart)."""
         self.rate = rate_bits_per_second
         for namespace, interface in zip(self.namespaces, self.interfaces):
-            self._must("the tbf qdisc (tc)", "tc", "-n", namespace, "qdisc", "replace", "dev", interface, "root",
-                       "tbf", "rate", f"{rate_bits_per_second / 1e3:.0f}kbit", "burst", self.burst,
-                       "latency", self.latency)
+            netns.run("tc", "-n", namespace, "qdisc", "replace", "dev", interface, "root", "tbf",
+                      "rate", f"{rate_bits_per_second / 1e3:.0f}kbit", "burst", self.burst, "latency", self.latency,
+                      what="the tbf qdisc (tc)")
 
     def command(self, index: int, argv: Sequence[str], environment: Dict[str, str]) -> List[str]:
         """argv run in namespace `index`, with these variables set (env(1))."""
@@ -150,65 +141,7 @@ class VethPair:
     def remove(self) -> List[str]:
         """Delete both namespaces (the veth pair goes with them, and any
         process left in them is killed first); returns what could not be done."""
-        problems = []
-        for namespace in self.namespaces:
-            problems += _delete_namespace(namespace)
-        if self.made_netns_dir and not problems:
-            _remove_empty_netns_dir()
-        return problems
-
-    @staticmethod
-    def _must(what: str, *argv: str) -> None:
-        result = _run(*argv)
-        if result.returncode != 0:
-            raise LinkError(f"no {what} here ({' '.join(argv[:4])}: {result.stderr.strip() or result.stdout.strip()})")
-
-    @staticmethod
-    def _free_subnet() -> str:
-        used = _run("ip", "-4", "-o", "addr").stdout + _run("ip", "-4", "route").stdout
-        for third in range(os.getpid() % 200, os.getpid() % 200 + 50):
-            subnet = f"10.214.{third % 250}"
-            if f" {subnet}." not in used:
-                return subnet
-        raise LinkError("no free 10.214.x.0/24 subnet")
-
-
-def _delete_namespace(name: str) -> List[str]:
-    for pid in _run("ip", "netns", "pids", name).stdout.split():
-        try:
-            os.kill(int(pid), 9)
-        except ProcessLookupError:
-            pass
-    result = _run("ip", "netns", "delete", name)
-    if result.returncode != 0 and (NETNS_DIR / name).exists():
-        return [f"namespace {name}: {result.stderr.strip()}"]
-    return []
-
-
-def _remove_empty_netns_dir() -> None:
-    """/run/netns as it was before the first namespace: absent, while no other namespace is in it."""
-    if not NETNS_DIR.exists() or any(NETNS_DIR.iterdir()):
-        return
-    with open("/proc/self/mountinfo") as mounts:  # iproute2 bind-mounts it on itself
-        mounted = sum(line.split()[4] == str(NETNS_DIR) for line in mounts)
-    for _ in range(mounted):
-        _run("umount", str(NETNS_DIR))
-    try:
-        NETNS_DIR.rmdir()
-    except OSError:
-        pass
-
-
-def sweep_abandoned() -> List[str]:
-    """Namespaces of ours whose process is gone (killed before it could clean
-    up): deleted. A live process's are never touched."""
-    removed = []
-    for name in _run("ip", "netns", "list").stdout.split():
-        match = _TAG.match(name)
-        if match and not Path(f"/proc/{match.group(1)}").exists():
-            _delete_namespace(name)
-            removed.append(name)
-    return removed
+        return self.network.remove()
 
 
 # --- the link, measured ----------------------------------------------------------------------------------
@@ -263,15 +196,15 @@ def measure_link(pair: VethPair, transfer_bytes: Optional[int] = None, round_tri
     half a second at the tbf rate (at least 4 MB, so tbf's burst is a small
     part of it) and the median round trip of one byte."""
     transfer_bytes = transfer_bytes or max(4 << 20, int(pair.rate / 8 * 0.5))
-    port = _free_port()
+    port = free_port()
     receiver = subprocess.Popen(pair.command(1, [sys.executable, "-c", _RECEIVER, pair.addresses[1], str(port),
                                                  str(round_trips), str(transfer_bytes)], {}),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if receiver.stdout.readline().strip() != "listening":
             raise LinkError(f"the TCP receiver did not start: {receiver.stderr.read()[-500:]}")
-        sent = _run(*pair.command(0, [sys.executable, "-c", _SENDER, pair.addresses[1], str(port), str(round_trips),
-                                      str(transfer_bytes)], {}), timeout=120)
+        sent = netns.run(*pair.command(0, [sys.executable, "-c", _SENDER, pair.addresses[1], str(port),
+                                           str(round_trips), str(transfer_bytes)], {}), check=False, timeout=120)
         if sent.returncode != 0:
             raise LinkError(f"the TCP sender failed: {sent.stderr.strip()[-500:]}")
         received, seconds = receiver.stdout.readline().split()
@@ -281,12 +214,6 @@ def measure_link(pair: VethPair, transfer_bytes: Optional[int] = None, round_tri
             receiver.kill()
             receiver.wait()
     return LinkMeasurement(int(received) / float(seconds), float(sent.stdout.strip()))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 # --- the training runs ----------------------------------------------------------------------------------------
@@ -359,7 +286,7 @@ def compute_step_ms(workload: Workload, logdir: Path, timeout: float = 300) -> D
 def linked_step_ms(pair: VethPair, workload: Workload, hook: str, logdir: Path, run_name: str,
                    timeout: float = 300) -> float:
     """imagenet_ddp.py with one process in each namespace over the link; its ms per measured step."""
-    url = f"tcp://{pair.addresses[0]}:{_free_port()}"
+    url = f"tcp://{pair.addresses[0]}:{free_port()}"
     processes = []
     for rank in range(2):
         # gloo picks its interface from the host name, which resolves outside the namespaces: name it.
@@ -378,7 +305,7 @@ def measure_allreduce(pair: VethPair, sizes: Sequence[int] = ALLREDUCE_SIZES, ti
     """gloo's all-reduce between the namespaces (common.tools.comm_bench, one
     process in each, one thread): rows as the benchmark's comm section writes
     them (section comm, size_bytes, time_us, busbw_gbytes_per_s, world_size, nodes)."""
-    url = f"tcp://{pair.addresses[0]}:{_free_port()}"
+    url = f"tcp://{pair.addresses[0]}:{free_port()}"
     processes = []
     for rank in range(2):
         argv = [sys.executable, "-m", "common.tools.comm_bench", "--init", url, "--rank", str(rank), "--world-size", "2",
