@@ -245,6 +245,11 @@ def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
     return name
 
 
+def auto_run_directory(cfg: Config) -> Path:
+    """Where --resume auto continues: the same directory each time the job starts."""
+    return Path(cfg.logdir) / auto_run_name(cfg)
+
+
 def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
     """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
     the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
@@ -271,7 +276,7 @@ def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
     new run always gets a directory of its own."""
     logdir = Path(cfg.logdir)
     if cfg.resume == "auto":  # the same directory every time the job starts (see auto_run_name)
-        run_dir = logdir / auto_run_name(cfg)
+        run_dir = auto_run_directory(cfg)
         if (run_dir / "config.json").is_file():
             return run_dir, True
         _make_run_directory(run_dir, "--logdir")  # or it is there, from a start that ended before config.json
@@ -519,10 +524,16 @@ class RunDirectory:
             raise UsageError(failure)
         return run_dir
 
-    def close(self) -> None:
-        """The run is over: release the directory (RunLock.release)."""
+    def close(self, started: bool = True) -> None:
+        """The run is over: release the directory (RunLock.release). A run
+        that failed before it `started` (before config.json: say, its --resume
+        checkpoint did not fit) removes the new directory it made, if still empty."""
+        abandoned = not started and not self.resuming
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(remove=abandoned)
+        if abandoned:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only if still empty: nothing written is ever removed
 
     def set_aside_after(self, start_epoch: int, images_done: int, resumed_from: Optional[str]) -> Optional[str]:
         """Resuming from an earlier position than the run directory reached
