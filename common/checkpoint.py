@@ -379,12 +379,19 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         partial_epoch=state.get("partial_epoch"),
         path=path,
     )
+    _say_where(cfg, ctx, state, start, log, global_batch, lr)
+    return start
+
+
+def _say_where(cfg: Config, ctx: Context, state: dict, start: ResumePoint, log, global_batch: int, lr: float) -> None:
+    """resume()'s lines: where it continues, the recipe options that differ
+    from the checkpoint's run, and a change of world size."""
     steps = f"{start.step} step" + ("s" if start.step != 1 else "")
     where = f"epoch {start.start_epoch}" + (f" after {steps} ({start.images_done} images)" if start.step else "")
     how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
     best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
                    if start.best_epoch is not None else "")
-    log.info(f"{how} {path} ({where}{best_so_far})")
+    log.info(f"{how} {start.path} ({where}{best_so_far})")
     changed = _changed_recipe(state.get("config") or {}, cfg.to_dict())
     if changed:  # deliberate (a longer schedule), or a sign of continuing someone else's run
         log.info(f"note: options that differ from the checkpoint's run: {changed}")
@@ -395,7 +402,6 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
                  f"lr {lr:g} (linear scaling)"
                  + (f"; epoch {start.start_epoch} goes on after its first {start.images_done} images"
                     if start.images_done else ""))
-    return start
 
 
 @dataclasses.dataclass(frozen=True)
