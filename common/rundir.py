@@ -299,6 +299,32 @@ def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
             return run_dir, False
 
 
+def _outermost_missing(folder: Path) -> Optional[Path]:
+    """The outermost of `folder` and its parents that does not exist yet: what making it creates."""
+    missing = None
+    for candidate in (folder.absolute(), *folder.absolute().parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def _remove_empty_folders(run_dir: Path, made_from: Optional[Path]) -> None:
+    """A start that failed before writing anything leaves no trace: the new
+    run directory, then the folders made for it up to `made_from`, each only
+    while empty (nothing written is ever removed)."""
+    folder = run_dir.absolute()
+    outermost = made_from if made_from is not None else folder
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == outermost or outermost not in folder.parents:
+            return
+        folder = folder.parent
+
+
 def _check_writable(run_dir: Path) -> None:
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise UsageError(f"argument --logdir: cannot write in {run_dir} (permission denied)")
@@ -482,10 +508,11 @@ class RunDirectory:
     """The run directory of this run, on the primary process: its path, and
     whether this run continues one that exists (a resume)."""
 
-    def __init__(self, path: Path, resuming: bool, lock: Optional[RunLock] = None):
+    def __init__(self, path: Path, resuming: bool, lock: Optional[RunLock] = None, made_from: Optional[Path] = None):
         self.path = Path(path)
         self.resuming = resuming
         self.lock = lock
+        self.made_from = made_from  # the outermost folder this run created on the way (--logdir's), if any
 
     @staticmethod
     def open(cfg: Config, ctx: Context, checkpoint_bytes: Optional[int] = None) -> Optional["RunDirectory"]:
@@ -499,6 +526,7 @@ class RunDirectory:
         failure = run_dir = None
         if ctx.is_primary:
             try:
+                made_from = _outermost_missing(Path(cfg.logdir))
                 path, resuming = _choose_directory(cfg, ctx)
                 lock = None
                 try:
@@ -510,13 +538,12 @@ class RunDirectory:
                     if lock is not None:
                         lock.release(remove=not resuming)
                     if not resuming:
-                        with contextlib.suppress(OSError):
-                            path.rmdir()  # only if still empty: nothing written is ever removed
+                        _remove_empty_folders(path, made_from)
                     if isinstance(error, OSError):  # listing it, or its free space, failed
                         raise UsageError(f"argument {_directory_flag(cfg)}: cannot use {path} "
                                          f"({error.strerror or error_summary(error)})") from None
                     raise
-                run_dir = RunDirectory(path, resuming, lock)
+                run_dir = RunDirectory(path, resuming, lock, made_from)
             except UsageError as error:
                 failure = str(error)
         failure = broadcast_from_primary(failure, ctx)
@@ -532,8 +559,7 @@ class RunDirectory:
         if self.lock is not None:
             self.lock.release(remove=abandoned)
         if abandoned:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()  # only if still empty: nothing written is ever removed
+            _remove_empty_folders(self.path, self.made_from)
 
     def set_aside_after(self, start_epoch: int, images_done: int, resumed_from: Optional[str]) -> Optional[str]:
         """Resuming from an earlier position than the run directory reached
