@@ -6,12 +6,18 @@ one process per GPU (or per CPU process, with gloo), on one node or many.
     python imagenet_ddp.py -a resnet50 --dist-url tcp://NODE0:23456 --world-size NODES --rank NODE_RANK DATA
     torchrun --nproc-per-node 4 imagenet_ddp.py -a resnet50 DATA  # or torch.distributed.launch, or srun
 
-The whole recipe, top to bottom; the loop itself is common/engine.py, and
-finding and starting the other processes is common/launcher.py and common/spawn.py.
+The whole recipe, top to bottom; the loop itself is common/engine.py and common/fit.py, and
+finding the other processes is common/launcher.py and common/spawn.py.
 """
-import torch
+from __future__ import annotations
 
-from common import cli, comm, config, data, distributed, engine, models, precision, schedules, spawn, telemetry
+from common import cli, config, lazy
+
+# torch, and the modules of common/ that use it, load at their first use, after the flags are read:
+# --help and a mistake in a flag answer at once, not after the ~4 s import of torch and torchvision.
+torch, comm, data, distributed, engine, models, precision, session, spawn, telemetry = lazy.modules(
+    "torch", "common.comm", "common.data", "common.distributed", "common.engine", "common.models",
+    "common.precision", "common.session", "common.spawn", "common.telemetry")
 
 
 def main(argv=None):
@@ -22,25 +28,21 @@ def main(argv=None):
 def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
+    policy = precision.FP32()
+    plan = session.Plan.of(cfg, ctx, policy)  # global batch, scaled lr, memory format: derived once
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout)
-    policy = precision.FP32()
-    channels_last = models.uses_channels_last(cfg.memory_format, ctx.device, policy)  # --memory-format
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = models.compiled(model.to(ctx.device, memory_format=memory_format), cfg.compile)  # --compile
+    model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # Every process holds a replica; DDP averages the gradients across processes during backward
     # (--ddp-comm-hook: what it sends; --bucket-cap-mb, --static-graph: how).
     model, comm_hook = comm.distributed_model(model, cfg, ctx)
 
-    global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
-    lr = schedules.scaled_lr(cfg.lr, global_batch)
-    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,
-               global_batch=global_batch, lr=lr, comm_hook=comm_hook)  # --resume, training, validation; or --evaluate
+    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
+    session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # --resume, training, validation; or --evaluate
 
 
 if __name__ == "__main__":

@@ -3,11 +3,17 @@
 
     python imagenet_nd.py -a resnet50 /path/to/imagenet
 
-The whole recipe, top to bottom; the loop itself is common/engine.py.
+The whole recipe, top to bottom; the loop itself is common/engine.py and common/fit.py.
 """
-import torch
+from __future__ import annotations
 
-from common import cli, config, data, distributed, engine, models, precision, schedules, telemetry
+from common import cli, config, lazy
+
+# torch, and the modules of common/ that use it, load at their first use, after the flags are read:
+# --help and a mistake in a flag answer at once, not after the ~4 s import of torch and torchvision.
+data, distributed, engine, models, precision, session, telemetry = lazy.modules(
+    "common.data", "common.distributed", "common.engine", "common.models", "common.precision", "common.session",
+    "common.telemetry")
 
 
 def main(argv=None):
@@ -18,21 +24,17 @@ def main(argv=None):
 def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
+    policy = precision.FP32()
+    plan = session.Plan.of(cfg, ctx, policy)  # global batch, scaled lr, memory format: derived once
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout)
-    policy = precision.FP32()
-    channels_last = models.uses_channels_last(cfg.memory_format, ctx.device, policy)  # --memory-format
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = models.compiled(model.to(ctx.device, memory_format=memory_format), cfg.compile)  # --compile
+    model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 
-    global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
-    lr = schedules.scaled_lr(cfg.lr, global_batch)
-    optimizer = engine.sgd(model, lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    engine.run(cfg, ctx, log, model, optimizer, policy, loaders, channels_last=channels_last,
-               global_batch=global_batch, lr=lr)  # --resume, then training and validation, or --evaluate
+    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
+    session.run(plan, ctx, log, model, optimizer, policy, loaders)  # --resume, training, validation; or --evaluate
 
 
 if __name__ == "__main__":

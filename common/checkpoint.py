@@ -40,7 +40,7 @@ from common.config import Config
 from common.distributed import Context, broadcast_from_primary, decided_by_primary
 from common.errors import UsageError, error_summary
 from common.models import unwrap
-from common.rundir import CHECKPOINT_NAME, auto_run_name, kept_checkpoints
+from common.rundir import CHECKPOINT_NAME, kept_checkpoints
 
 FORMAT = "imagenet-reference-checkpoint/2"  # /2: a position within the epoch (step, images_done, partial_epoch)
 
@@ -297,24 +297,23 @@ class ResumePoint:
     path: Optional[str] = None  # the checkpoint resumed from
 
 
-def _choose_checkpoint(cfg: Config, ctx: Context, log) -> Tuple[Optional[str], Optional[dict]]:
-    """The file --resume names; for `auto`, the primary's choice in the run
-    directory (on every process), or None to start from scratch. With it,
-    the state the primary loaded to choose it (None elsewhere)."""
+def _choose_checkpoint(cfg: Config, ctx: Context, log, auto_dir: Optional[Path]) -> Tuple[Optional[str], Optional[dict]]:
+    """The file --resume names; for `auto`, the primary's choice in `auto_dir`
+    (the run directory, on the primary), on every process, or None to start
+    from scratch. With it, the state the primary loaded to choose it (None elsewhere)."""
     if cfg.resume != "auto":
         return cfg.resume, None
     loaded = {}  # the primary's loaded state: kept here, not broadcast
 
     def choose() -> Optional[str]:
-        run_dir = Path(cfg.logdir) / auto_run_name(cfg)
-        path, warnings, loaded["state"] = _newest_loaded(run_dir) if run_dir.is_dir() else (None, [], None)
+        path, warnings, loaded["state"] = _newest_loaded(auto_dir) if auto_dir.is_dir() else (None, [], None)
         for warning in warnings if path is not None else []:
             print(f"warning: {warning}; using the previous checkpoint {path}", file=sys.stderr, flush=True)
         if path is None and warnings:
-            raise UsageError(f"argument --resume: no checkpoint in {run_dir} can be read (the last tried: "
+            raise UsageError(f"argument --resume: no checkpoint in {auto_dir} can be read (the last tried: "
                              f"{warnings[-1]}); move the damaged files away to start from scratch")
         if path is None:
-            log.info(f"--resume auto: no checkpoint in {run_dir} yet; starting from scratch")
+            log.info(f"--resume auto: no checkpoint in {auto_dir} yet; starting from scratch")
         return None if path is None else str(path)
 
     return decided_by_primary(choose, ctx), loaded.get("state")
@@ -337,13 +336,14 @@ def _changed_recipe(saved: dict, now: dict) -> str:
 
 
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
-           global_batch: int, lr: float, comm_hook: Optional[CommHook] = None) -> ResumePoint:
+           global_batch: int, lr: float, comm_hook: Optional[CommHook] = None,
+           auto_dir: Optional[Path] = None) -> ResumePoint:
     """Where to start: --start-epoch without --resume; otherwise restore model,
     optimizer, precision policy and RNG states from the checkpoint --resume
-    names (or, with `auto`, the newest readable one of the run directory) and
-    continue at its position. A checkpoint of another world size continues
+    names (or, with `auto`, the newest readable one of `auto_dir`, the run
+    directory, which the primary has opened and locked) and continue at its position. A checkpoint of another world size continues
     the same epoch with this run's global batch and LR, and says so."""
-    path, state = _choose_checkpoint(cfg, ctx, log)
+    path, state = _choose_checkpoint(cfg, ctx, log, auto_dir)
     if path is None:
         return ResumePoint(start_epoch=cfg.start_epoch)
     state = state if state is not None else load(path)  # --resume auto's primary has read it already
@@ -379,12 +379,19 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         partial_epoch=state.get("partial_epoch"),
         path=path,
     )
+    _say_where(cfg, ctx, state, start, log, global_batch, lr)
+    return start
+
+
+def _say_where(cfg: Config, ctx: Context, state: dict, start: ResumePoint, log, global_batch: int, lr: float) -> None:
+    """resume()'s lines: where it continues, the recipe options that differ
+    from the checkpoint's run, and a change of world size."""
     steps = f"{start.step} step" + ("s" if start.step != 1 else "")
     where = f"epoch {start.start_epoch}" + (f" after {steps} ({start.images_done} images)" if start.step else "")
     how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
     best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
                    if start.best_epoch is not None else "")
-    log.info(f"{how} {path} ({where}{best_so_far})")
+    log.info(f"{how} {start.path} ({where}{best_so_far})")
     changed = _changed_recipe(state.get("config") or {}, cfg.to_dict())
     if changed:  # deliberate (a longer schedule), or a sign of continuing someone else's run
         log.info(f"note: options that differ from the checkpoint's run: {changed}")
@@ -395,7 +402,6 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
                  f"lr {lr:g} (linear scaling)"
                  + (f"; epoch {start.start_epoch} goes on after its first {start.images_done} images"
                     if start.images_done else ""))
-    return start
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Config: every resolved option of one run, frozen.
 
 cli.parse builds it from argv; everything after reads it and never edits it
-(engine.run makes one copy with `--opt-level auto` resolved, once the device
+(session.Plan makes one copy with `--opt-level auto` resolved, once the device
 and so the precision policy are known).
 Its fields keep the flags' names (the argparse destinations), and
 `to_dict()` is what config.json's "options" and each checkpoint's "config"
@@ -69,7 +69,7 @@ class Config:
     keep_checkpoints: int = 3
     preempt_signal: str = "SIGUSR1"
     requeue: str = "auto"  # auto | always | never
-    opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32; auto: engine.run resolves it
+    opt_level: str = "O0"  # only imagenet_ddp_apex.py changes it; O0 is plain fp32; auto: session.Plan resolves it
     amp_dtype: Optional[str] = None  # fp16 | bf16; None: fp16 on CUDA, bf16 on the CPU
     keep_batchnorm_fp32: Optional[bool] = None  # None: Apex's default for the opt level
     loss_scale: Union[str, float, None] = None  # "dynamic" or a fixed scale; None: Apex's default

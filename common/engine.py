@@ -1,6 +1,6 @@
-"""The one training loop, for every script: Trainer (a step, an epoch, a
-validation pass), fit (epochs, checkpoints, stops) and run (what every
-entry script ends with: resume, the run directory, then fit or --evaluate).
+"""The training loop's body, for every script: Trainer (a step, an epoch of
+them, a validation pass), LossGuard (NaN/inf losses), seeding and the SGD
+optimizer. common/fit.py runs the epochs, common/session.py assembles a run.
 
 The entry scripts differ only in how the model is wrapped and how the
 processes find each other; everything here runs unchanged for one device,
@@ -31,19 +31,15 @@ from torch import nn
 from torch.profiler import record_function
 from torch.optim import Optimizer
 
-from common import checkpoint, measure, preemption
-from common.checkpoint import Checkpointer, ResumePoint, RunFacts
-from common.comm import CommHook
-from common.config import Config
+from common import measure, preemption
+from common.checkpoint import Checkpointer, ResumePoint
 from common.data import BadImages, Loaders, derived_seed
-from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
-                                broadcast_from_primary)
-from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, one_line
+from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
+from common.errors import one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
 from common.pipelines import DeviceInput
-from common.preemption import Decision, StopControl, TrainingStopped
-from common.rundir import RunDirectory
+from common.preemption import Decision, StopControl
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog
 
@@ -110,17 +106,9 @@ def sgd_implementation(on_gpu: bool, loss_scaling: bool) -> dict:
     return {"fused": True} if on_gpu and not loss_scaling else {"foreach": True}
 
 
-@dataclasses.dataclass(frozen=True)
-class FitResult:
-    epochs_run: int
-    seconds: float  # wall time of this call, validation and checkpoints included
-    best_acc1: float
-    best_epoch: Optional[int]
-
-
-class _Stop(Exception):
-    """Unwinds from the training loop to fit() once the stop's checkpoint is
-    written, or its write failed (`failure`: why, on the primary)."""
+class StopRequested(Exception):
+    """Unwinds from the training loop to fit() (common/fit.py) once the stop's
+    checkpoint is written, or its write failed (`failure`: why, on the primary)."""
 
     def __init__(self, decision: Decision, path: Optional[Path], where: str, failure: Optional[str] = None):
         super().__init__(decision.signal_name)
@@ -130,28 +118,8 @@ class _Stop(Exception):
         self.failure = failure
 
 
-class CheckpointNotWritten(SystemExit):
-    """Raised on every process when a checkpoint the run cannot end without
-    (its last, or a stop's) could not be written: exit WRITE_FAILED_EXIT_STATUS."""
-
-    def __init__(self):
-        super().__init__(WRITE_FAILED_EXIT_STATUS)
-
-
-class _LastCheckpointFailed(Exception):
-    """Unwinds to fit(): the run's last checkpoint could not be written (args: why, and the line to say)."""
-
-
-class TrainingDiverged(SystemExit):
-    """Raised on every process after a non-finite loss (see LossGuard): the
-    process exits with NONFINITE_EXIT_STATUS, without writing a checkpoint."""
-
-    def __init__(self):
-        super().__init__(NONFINITE_EXIT_STATUS)
-
-
-class _NonFinite(Exception):
-    """Unwinds from the training loop to fit(): the message says where."""
+class NonFiniteLoss(Exception):
+    """Unwinds from the training loop to fit() (common/fit.py): the message says where."""
 
 
 class LossGuard:
@@ -177,7 +145,7 @@ class LossGuard:
 
     def allows_update(self, loss: torch.Tensor, epoch: int, step: int, lr: float) -> bool:
         """Note this step's loss; False when its update must be skipped.
-        Raises _NonFinite for a bad step that is not tolerated (this one's
+        Raises NonFiniteLoss for a bad step that is not tolerated (this one's
         with a tolerance, else the previous one's)."""
         loss = loss.detach().float()
         flags = torch.stack([loss.isnan(), loss.isinf()]).to(torch.float32)  # processes with a NaN, an inf loss
@@ -202,7 +170,7 @@ class LossGuard:
             return True
         self.skipped += 1
         if self.skipped > self.tolerance:
-            raise _NonFinite(f"{problem}, more than --max-nonfinite-steps {self.tolerance}")
+            raise NonFiniteLoss(f"{problem}, more than --max-nonfinite-steps {self.tolerance}")
         return False
 
     def buffers_before(self, model: nn.Module) -> Optional[list]:
@@ -226,7 +194,7 @@ class LossGuard:
             return
         bad = torch.stack([~torch.isfinite(tensor).all() for tensor in tensors]).sum().to(torch.float32).reshape(1)
         if all_reduce_sum(bad, self.ctx).item():
-            raise _NonFinite(f"{where}: {int(bad.item())} weight or buffer tensor(s) are not finite on some "
+            raise NonFiniteLoss(f"{where}: {int(bad.item())} weight or buffer tensor(s) are not finite on some "
                              f"process, although the losses were")
 
     def settle(self) -> None:
@@ -237,7 +205,7 @@ class LossGuard:
     def _raise_if_bad(self, checked) -> None:
         problem = self._problem(checked)
         if problem is not None:
-            raise _NonFinite(problem)
+            raise NonFiniteLoss(problem)
 
     def _problem(self, checked) -> Optional[str]:
         if checked is None:
@@ -279,9 +247,6 @@ class Trainer:
     control: StopControl = dataclasses.field(default_factory=preemption.NoStops)
     checkpointer: Optional[Checkpointer] = None  # None: no checkpoints (then `control` must ask for none)
     guard: Optional["LossGuard"] = None  # None: a LossGuard of its own, with max_nonfinite_steps
-    # Where training stands after train_one_epoch, should a stop come before validation ends (see fit):
-    # (steps, images done, _PartialEpoch).
-    trained: Optional[tuple] = dataclasses.field(default=None, init=False)
     # The splits whose images above Pillow's decompression-bomb limit were counted and named: once a run each.
     large_images_noted: set = dataclasses.field(default_factory=set, init=False)
     profile_steps: int = 0  # --profile-steps: training steps profiled, once a run (measure.StepProfiler)
@@ -295,7 +260,7 @@ class Trainer:
     def _should_print(self, step: int, steps: int) -> bool:
         return self.log.is_primary and ((step + 1) % self.print_freq == 0 or step + 1 == steps)
 
-    def train_one_epoch(self, loaders: Loaders, epoch: int, start: Optional[ResumePoint] = None) -> EpochMetrics:
+    def train_one_epoch(self, loaders: Loaders, epoch: int, start: Optional[ResumePoint] = None) -> "TrainedEpoch":
         """Train one epoch, or the rest of it after the mid-epoch checkpoint `start`."""
         self.model.train()
         images_done = start.images_done if start is not None else 0
@@ -317,48 +282,14 @@ class Trainer:
                     self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
                     with timer.paused():
                         partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
-                        path, failure = _saved_or_why(lambda: self.checkpointer.save_mid_epoch(
-                            epoch, step, images_done + (step - step_numbers.start) * loaders.global_batch,
-                            partial.to_dict(), steps, stopping=decision.stop, log=self.log))
+                        done = images_done + (step - step_numbers.start) * loaders.global_batch
+                        path, failure = self.save_mid_epoch(epoch, step, steps, done, partial, decision.stop)
                     if decision.stop:
-                        raise _Stop(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
+                        raise StopRequested(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
                 with record_function("step:data"):
                     batch = next(batches)
                 timer.batch_ready()
-                with record_function("step:seed, lr, guard"):
-                    # Dropout (and any other randomness in the model) draws from a seed of this step: the same
-                    # in a run resumed here as in one that never stopped.
-                    seed_generators(derived_seed(loaders.seed, epoch, step, self.ctx.rank), self.ctx.devices)
-                    lr = self.schedule.lr(epoch, step, steps)
-                    set_lr(self.optimizer, lr)
-                    buffers = self.guard.buffers_before(self.model)
-                # --accum-steps N: the first N - 1 micro-batches add their gradients (each loss / N) without
-                # DDP's exchange; the last one's backward exchanges the sum, then one optimizer step.
-                if self.accum_steps > 1:
-                    self.optimizer.zero_grad(set_to_none=True)
-                micro = []
-                for index in range(self.accum_steps):
-                    if index:  # the step's later micro-batches: their wait is data wait too
-                        with record_function("step:data"):
-                            batch = timer.waiting(lambda: next(batches))
-                    micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
-                loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
-                if self.guard.allows_update(loss, epoch, step, lr):
-                    with record_function("step:backward and optimizer"):
-                        if len(micro) == 1:
-                            self.precision.backward_and_step(micro[0].loss, self.optimizer)
-                        else:
-                            self.precision.backward(micro[-1].loss / len(micro))
-                            self.precision.step(self.optimizer)
-                    with record_function("step:metric sums"):
-                        for part in micro:
-                            sums.add(part.loss, part.logits, part.target, timed=timer.timing, **part.files)
-                else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
-                    self.guard.restore_buffers(self.model, buffers)
-                    self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
-                                  f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
-                    for part in micro:
-                        sums.add_files(**part.files)
+                lr = self._step(batch, batches, epoch, step, steps, loaders.seed, sums, timer, bad_images)
                 if self._should_print(step, steps):  # the one host sync per interval
                     status = self.precision.status()
                     progress.show(step, sums.totals(), timer, lr, status)
@@ -377,10 +308,58 @@ class Trainer:
         timing = timer.finish(self.ctx, before.timing)
         if lr is None and steps:  # every step ran before the checkpoint this run resumed from
             lr = self.schedule.lr(epoch, steps - 1, steps)
-        self.trained = (steps, images_done + len(step_numbers) * loaders.global_batch,
-                        _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
-        return EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
-                                        self.precision.status())
+        metrics = EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
+                                           self.precision.status())
+        return TrainedEpoch(metrics, steps, images_done + len(step_numbers) * loaders.global_batch,
+                            _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
+
+    def _step(self, batch, batches, epoch: int, step: int, steps: int, data_seed: int, sums: MetricSums,
+              timer: StepTimer, bad_images: BadImages) -> float:
+        """One optimizer step over --accum-steps micro-batches (`batch` the
+        first, the rest drawn from `batches`); its figures added to `sums`.
+        Returns the step's learning rate."""
+        with record_function("step:seed, lr, guard"):
+            # Dropout (and any other randomness in the model) draws from a seed of this step: the same
+            # in a run resumed here as in one that never stopped.
+            seed_generators(derived_seed(data_seed, epoch, step, self.ctx.rank), self.ctx.devices)
+            lr = self.schedule.lr(epoch, step, steps)
+            set_lr(self.optimizer, lr)
+            buffers = self.guard.buffers_before(self.model)
+        # --accum-steps N: the first N - 1 micro-batches add their gradients (each loss / N) without
+        # DDP's exchange; the last one's backward exchanges the sum, then one optimizer step.
+        if self.accum_steps > 1:
+            self.optimizer.zero_grad(set_to_none=True)
+        micro = []
+        for index in range(self.accum_steps):
+            if index:  # the step's later micro-batches: their wait is data wait too
+                with record_function("step:data"):
+                    batch = timer.waiting(lambda: next(batches))
+            micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
+        loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
+        if self.guard.allows_update(loss, epoch, step, lr):
+            with record_function("step:backward and optimizer"):
+                if len(micro) == 1:
+                    self.precision.backward_and_step(micro[0].loss, self.optimizer)
+                else:
+                    self.precision.backward(micro[-1].loss / len(micro))
+                    self.precision.step(self.optimizer)
+            with record_function("step:metric sums"):
+                for part in micro:
+                    sums.add(part.loss, part.logits, part.target, timed=timer.timing, **part.files)
+        else:  # a tolerated non-finite loss: no update, no trace in the buffers or the epoch's figures
+            self.guard.restore_buffers(self.model, buffers)
+            self.log.info(f"warning: epoch {epoch} step {step}: the training loss is not finite; step skipped "
+                          f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
+            for part in micro:
+                sums.add_files(**part.files)
+        return lr
+
+    def save_mid_epoch(self, epoch: int, step: int, steps: int, images_done: int, partial: "_PartialEpoch",
+                       stopping: bool) -> Tuple[Optional[Path], Optional[str]]:
+        """A checkpoint at step `step` of `steps` (a periodic one, or a
+        stop's): its path, or None and why it could not be written."""
+        return saved_or_why(lambda: self.checkpointer.save_mid_epoch(
+            epoch, step, images_done, partial.to_dict(), steps, stopping=stopping, log=self.log))
 
     def _accumulated(self, batch, bad_images: BadImages, backward: bool = False) -> "_MicroBatch":
         """One micro-batch's forward pass (and, for all but a step's last,
@@ -477,98 +456,7 @@ def _report_bad_images(log: RunLog, ctx: Context, epoch: int, split: str, totals
     return tuple(files.items())
 
 
-def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
-        io_sampler: Optional[measure.IOSampler] = None, desired_acc: Optional[float] = None) -> FitResult:
-    """Train and validate epochs start.start_epoch .. epochs-1 (the first
-    from start's step on); after each, log the metrics and write a
-    checkpoint (trainer.checkpointer). Stops early once validation top-1
-    reaches `desired_acc` (percent); on a stop signal, stops at a step all
-    processes agree on, after a checkpoint there, and raises
-    TrainingStopped (after `scontrol requeue` when it asks for one)."""
-    log, control, checkpointer, ctx = trainer.log, trainer.control, trainer.checkpointer, trainer.ctx
-    fit_start = time.perf_counter()
-    epochs_run = 0
-
-    def result() -> FitResult:
-        return FitResult(epochs_run=epochs_run, seconds=time.perf_counter() - fit_start,
-                         best_acc1=checkpointer.best_acc1, best_epoch=checkpointer.best_epoch)
-
-    if start.start_epoch >= epochs:
-        log.info(f"nothing to do: the checkpoint is at epoch {start.start_epoch} and --epochs is {epochs}")
-    try:
-        with control:
-            for epoch in range(start.start_epoch, epochs):
-                train = trainer.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
-                decision = control.now()
-                if decision.stop:  # before validation, which can take minutes: the grace period may be short
-                    steps, images_done, partial = trainer.trained
-                    path, failure = _saved_or_why(lambda: checkpointer.save_mid_epoch(
-                        epoch, steps, images_done, partial.to_dict(), steps, stopping=True, log=log))
-                    raise _Stop(decision, path, f"the end of epoch {epoch}'s training (step {steps}/{steps})", failure)
-                val, report = trainer.validate(loaders, epoch)
-                epochs_run += 1
-                is_best = checkpointer.validated(val.top1, epoch)
-                log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective
-                log.epoch_end(train, val, report, loaders.classes, checkpointer.best_acc1, checkpointer.best_epoch)
-                path, failure = _saved_or_why(lambda: checkpointer.save(epoch + 1, 0, 0, None, is_best))
-                reached = desired_acc is not None and val.top1 >= desired_acc
-                if reached or epoch + 1 >= epochs:  # the run's last checkpoint: every process ends alike
-                    failure = broadcast_from_primary(failure, ctx)
-                    if failure is not None:
-                        raise _LastCheckpointFailed(failure, f"could not write the checkpoint at the end of epoch "
-                                                             f"{epoch}, the run's last ({failure})")
-                elif failure is not None:  # the weights are still in memory: going on keeps them, stopping not
-                    log.info(f"warning: could not write the checkpoint at the end of epoch {epoch} ({failure}); "
-                             f"training goes on, and the next checkpoint tries again (the newest on disk: "
-                             f"{checkpointer.last_path or 'none'})")
-                    log.write_failed("checkpoints", failure, later=None)
-                if reached:
-                    log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
-                             f"{epoch} after {time.perf_counter() - fit_start:.1f} s: stopping")
-                    break
-                decision = control.now()
-                if decision.stop and epoch + 1 < epochs:
-                    raise _Stop(decision, path, f"the end of epoch {epoch}", failure)
-    except _Stop as stop:
-        # After a stop's checkpoint: close the logs, requeue the Slurm job when the signal asks for it,
-        # and exit with STOPPED_EXIT_STATUS.
-        control.ignore_signals()
-        failure = broadcast_from_primary(stop.failure, ctx)  # every process stopped here: they end alike
-        if failure is not None:  # no requeue: a job started again would meet the same full disk
-            _end_without_checkpoint(log, result(), io_sampler, ctx, control, checkpointer, failure,
-                                    f"stopping at {stop.where} on {stop.decision.signal_name} (every process at "
-                                    f"this step): could not write its checkpoint ({failure})")
-        log.info(f"stopping at {stop.where} on {stop.decision.signal_name} (every process at this step): "
-                 f"checkpoint saved to {stop.path}")
-        _finish(log, result(), io_sampler, ctx, stopped=True)
-        if log.is_primary and stop.decision.requeue and preemption.should_requeue(control.requeue):
-            preemption.requeue_slurm_job(log)
-        # Everyone leaves together, after the primary's checkpoint and requeue: a launcher that stops the
-        # job at a process's exit (srun --kill-on-bad-exit, torchrun) must not cut the checkpoint short.
-        control.barrier()
-        raise TrainingStopped(stop.decision.signal_name)
-    except _NonFinite as problem:
-        # On every process at the same step: say where and what to do, write nothing more.
-        control.ignore_signals()
-        if checkpointer.last_path is not None:
-            what_now = (f"the weights since then are not saved and the last good checkpoint is "
-                        f"{checkpointer.last_path} (continue from it with --resume and a lower --lr or more "
-                        f"--warmup-epochs)")
-        else:
-            what_now = "no checkpoint was written before it (start again with a lower --lr or more --warmup-epochs)"
-        log.info(f"stopping: {problem}; {what_now}")
-        _finish(log, result(), io_sampler, ctx, stopped=True)
-        control.barrier()  # the primary's line is out before any launcher stops the job at an exit
-        raise TrainingDiverged()
-    except _LastCheckpointFailed as problem:
-        control.ignore_signals()
-        _end_without_checkpoint(log, result(), io_sampler, ctx, control, checkpointer, problem.args[0],
-                                f"stopping: {problem.args[1]}")
-    _finish(log, result(), io_sampler, ctx)
-    return result()
-
-
-def _saved_or_why(save: Callable[[], Optional[Path]]) -> Tuple[Optional[Path], Optional[str]]:
+def saved_or_why(save: Callable[[], Optional[Path]]) -> Tuple[Optional[Path], Optional[str]]:
     """The path of the checkpoint `save` writes, or None and why it could not
     (a full disk). Only the primary writes, so only it can fail: where the
     run cannot go on without the file, fit() tells the others."""
@@ -578,108 +466,16 @@ def _saved_or_why(save: Callable[[], Optional[Path]]) -> Tuple[Optional[Path], O
         return None, one_line(error.strerror or str(error))
 
 
-def _end_without_checkpoint(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampler], ctx: Context,
-                            control: StopControl, checkpointer: Checkpointer, why: str, what: str) -> None:
-    """A checkpoint the run cannot end without was not written (`why`): one
-    line (`what`) says so and names the newest checkpoint on disk; then, on
-    every process, the logs are closed and the run exits with WRITE_FAILED_EXIT_STATUS."""
-    log.write_failed("checkpoints", why, later=None)  # named so at the finish
-    newest = checkpointer.last_path
-    if newest is not None:
-        then = f"the newest checkpoint is {newest}: free some space there and continue with --resume {newest}"
-    else:
-        then = "no checkpoint was written: free some space where --logdir is and start again"
-    log.info(f"{what}; the weights since then are not saved; {then}")
-    _finish(log, result, io_sampler, ctx, stopped=True)
-    control.barrier()  # the primary's line is out before any launcher stops the job at an exit
-    raise CheckpointNotWritten()
+@dataclasses.dataclass(frozen=True)
+class TrainedEpoch:
+    """What train_one_epoch returns: the epoch's metrics row, and where
+    training stands at its end, for a stop that comes before validation ends
+    (fit writes its checkpoint there)."""
 
-
-def _finish(log: RunLog, result: FitResult, io_sampler: Optional[measure.IOSampler], ctx: Context,
-            stopped: bool = False) -> None:
-    """The last I/O samples (a collective: every process calls this), then the closing lines."""
-    log.io_samples(measure.gather_io_rows(io_sampler, ctx, final=True))
-    log.finish(result, stopped=stopped)
-
-
-def run(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, optimizer: Optimizer, policy, loaders: Loaders, *,
-        channels_last: bool, global_batch: int, lr: float, comm_hook: Optional[CommHook] = None
-        ) -> Optional[FitResult]:
-    """What every entry script ends with, once its model is built and wrapped
-    (`comm_hook`: the DDP scripts' communication hook, whose state checkpoints
-    keep) and its optimizer made: the LR schedule and loss of the recipe, --resume
-    (to the step), then --evaluate's one validation pass, or the run
-    directory, the configuration record and fit()."""
-    # --opt-level auto, resolved now that the device is known: the run's name, config.json and the
-    # checkpoint's recipe say what ran.
-    cfg = dataclasses.replace(cfg, opt_level=policy.opt_level)
-    log.info(policy.describe())
-    if loaders.jpeg_decoder is not None:  # chosen once for the run (TorchCodec, torchvision.io or Pillow), and why
-        log.info(loaders.jpeg_decoder.describe())
-    if loaders.dali is not None:
-        log.info(loaders.dali.describe())
-    for note in loaders.notes:  # about the data: DATA unread, a folder under two classes
-        log.info(note)
-    if policy.warning:  # a half type this device emulates: said once, at the start, and kept in config.json
-        log.info(policy.warning)
-    if comm_hook is not None:
-        log.info(comm_hook.describe(cfg.bucket_cap_mb, cfg.static_graph))
-    schedule = LRSchedule(lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-    # --resume: where the checkpoint stopped, to the step; otherwise --start-epoch.
-    start = checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, global_batch=global_batch,
-                              lr=lr, comm_hook=comm_hook)
-
-    guard = LossGuard(ctx, cfg.max_nonfinite_steps)
-
-    def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
-        return Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
-                       channels_last=channels_last, steps_per_epoch=cfg.steps_per_epoch,
-                       warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
-                       else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
-                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps)
-
-    if cfg.evaluate:
-        # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
-        # (saves replace files by rename, so it reads a whole one).
-        val, report = trainer(None).validate(loaders, start.start_epoch)
-        log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
-        return None
-    accumulated = f" x {cfg.accum_steps} micro-batches" if cfg.accum_steps > 1 else ""
-    log.info(f"global batch {global_batch} ({cfg.batch_size} per replica{accumulated} x {ctx.replicas}); "
-             f"lr {cfg.lr:g} x {global_batch}/256 = {lr:g}, {cfg.lr_schedule} schedule")
-    resolved = {
-        "global_batch": global_batch, "lr": lr, "precision": policy.name,
-        "precision_warning": policy.warning, "channels_last": channels_last,
-        "num_classes": loaders.num_classes, "train_images": len(loaders.train.dataset),
-        "val_images": len(loaders.val.dataset),
-        "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
-        "checkpoint_bytes": checkpoint.expected_bytes(model, optimizer),  # checked against the free space
-        "jpeg_decoder": loaders.jpeg_decoder.to_dict() if loaders.jpeg_decoder is not None else None,
-        "dali": loaders.dali.to_dict() if loaders.dali is not None else None,
-    }
-    run_dir = RunDirectory.open(cfg, ctx, resolved["checkpoint_bytes"])  # a collective; locks it on the primary
-    try:
-        if run_dir is not None and run_dir.resuming:
-            set_aside = run_dir.set_aside_after(start.start_epoch, start.images_done, start.path)
-            if set_aside is not None:
-                log.info(f"resuming at epoch {start.start_epoch} step {start.step}, {set_aside}")
-        failure = None
-        try:
-            log.start_run(cfg, start, resolved, run_dir)  # config.json: on the primary
-        except UsageError as error:  # it could not be written (a full disk)
-            failure = str(error)
-        failure = broadcast_from_primary(failure, ctx)  # every process ends alike, none left waiting
-        if failure is not None:
-            raise UsageError(failure)
-        io_sampler = measure.start_io_sampler(cfg, ctx)
-        checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, global_batch, lr),
-                                    loaders.classes, start, run_dir.path if run_dir is not None else None,
-                                    guard.check_weights, comm_hook=comm_hook)
-        return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
-    finally:
-        if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
-            run_dir.close()
+    metrics: EpochMetrics
+    steps: int  # the epoch's steps, all done
+    images_done: int  # images of the epoch's order trained on, all processes together
+    partial: "_PartialEpoch"  # the epoch's sums and timing
 
 
 @dataclasses.dataclass(frozen=True)

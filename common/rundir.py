@@ -245,6 +245,11 @@ def auto_run_name(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
     return name
 
 
+def auto_run_directory(cfg: Config) -> Path:
+    """Where --resume auto continues: the same directory each time the job starts."""
+    return Path(cfg.logdir) / auto_run_name(cfg)
+
+
 def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: str) -> str:
     """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
     the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
@@ -271,7 +276,7 @@ def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
     new run always gets a directory of its own."""
     logdir = Path(cfg.logdir)
     if cfg.resume == "auto":  # the same directory every time the job starts (see auto_run_name)
-        run_dir = logdir / auto_run_name(cfg)
+        run_dir = auto_run_directory(cfg)
         if (run_dir / "config.json").is_file():
             return run_dir, True
         _make_run_directory(run_dir, "--logdir")  # or it is there, from a start that ended before config.json
@@ -292,6 +297,32 @@ def _choose_directory(cfg: Config, ctx: Context) -> Tuple[Path, bool]:
         run_dir = logdir / (name if attempt == 1 else f"{name}-{attempt}")
         if _make_run_directory(run_dir, "--logdir"):
             return run_dir, False
+
+
+def _outermost_missing(folder: Path) -> Optional[Path]:
+    """The outermost of `folder` and its parents that does not exist yet: what making it creates."""
+    missing = None
+    for candidate in (folder.absolute(), *folder.absolute().parents):
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def _remove_empty_folders(run_dir: Path, made_from: Optional[Path]) -> None:
+    """A start that failed before writing anything leaves no trace: the new
+    run directory, then the folders made for it up to `made_from`, each only
+    while empty (nothing written is ever removed)."""
+    folder = run_dir.absolute()
+    outermost = made_from if made_from is not None else folder
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == outermost or outermost not in folder.parents:
+            return
+        folder = folder.parent
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -477,10 +508,11 @@ class RunDirectory:
     """The run directory of this run, on the primary process: its path, and
     whether this run continues one that exists (a resume)."""
 
-    def __init__(self, path: Path, resuming: bool, lock: Optional[RunLock] = None):
+    def __init__(self, path: Path, resuming: bool, lock: Optional[RunLock] = None, made_from: Optional[Path] = None):
         self.path = Path(path)
         self.resuming = resuming
         self.lock = lock
+        self.made_from = made_from  # the outermost folder this run created on the way (--logdir's), if any
 
     @staticmethod
     def open(cfg: Config, ctx: Context, checkpoint_bytes: Optional[int] = None) -> Optional["RunDirectory"]:
@@ -494,6 +526,7 @@ class RunDirectory:
         failure = run_dir = None
         if ctx.is_primary:
             try:
+                made_from = _outermost_missing(Path(cfg.logdir))
                 path, resuming = _choose_directory(cfg, ctx)
                 lock = None
                 try:
@@ -505,13 +538,12 @@ class RunDirectory:
                     if lock is not None:
                         lock.release(remove=not resuming)
                     if not resuming:
-                        with contextlib.suppress(OSError):
-                            path.rmdir()  # only if still empty: nothing written is ever removed
+                        _remove_empty_folders(path, made_from)
                     if isinstance(error, OSError):  # listing it, or its free space, failed
                         raise UsageError(f"argument {_directory_flag(cfg)}: cannot use {path} "
                                          f"({error.strerror or error_summary(error)})") from None
                     raise
-                run_dir = RunDirectory(path, resuming, lock)
+                run_dir = RunDirectory(path, resuming, lock, made_from)
             except UsageError as error:
                 failure = str(error)
         failure = broadcast_from_primary(failure, ctx)
@@ -519,10 +551,15 @@ class RunDirectory:
             raise UsageError(failure)
         return run_dir
 
-    def close(self) -> None:
-        """The run is over: release the directory (RunLock.release)."""
+    def close(self, started: bool = True) -> None:
+        """The run is over: release the directory (RunLock.release). A run
+        that failed before it `started` (before config.json: say, its --resume
+        checkpoint did not fit) removes the new directory it made, if still empty."""
+        abandoned = not started and not self.resuming
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(remove=abandoned)
+        if abandoned:
+            _remove_empty_folders(self.path, self.made_from)
 
     def set_aside_after(self, start_epoch: int, images_done: int, resumed_from: Optional[str]) -> Optional[str]:
         """Resuming from an earlier position than the run directory reached

@@ -176,8 +176,9 @@ class _Log:
 
 def _resume(path, model, optimizer, arch, classes, extra=(), global_batch=256, lr=0.1, log=None):
     cfg = parse("nd", ["--synthetic", "-a", arch, "--resume", str(path), *extra])
+    auto_dir = rundir.auto_run_directory(cfg) if cfg.resume == "auto" else None  # the run directory opened
     return checkpoint.resume(cfg, single_process("cpu"), model, optimizer, _NoPolicy(), classes, log or _Log(),
-                             global_batch=global_batch, lr=lr)
+                             global_batch=global_batch, lr=lr, auto_dir=auto_dir)
 
 
 def test_a_checkpoint_of_another_world_size_says_what_changed_and_resumes_mid_epoch(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 
 import torch
 
-from common import checkpoint, cli, distributed, engine, errors, measure, rundir, telemetry
+from common import checkpoint, cli, distributed, errors, fit, measure, rundir, telemetry
 from common.checkpoint import ResumePoint
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
 from conftest import REPO, make_image_folder
@@ -148,7 +148,7 @@ def test_the_logs_survive_a_full_disk_with_one_warning_each_and_nothing_cut_shor
         now = sizes(small_disk)
         assert [path for path, size in before.items() if now.get(path, 0) < size] == []
         before = now
-    log.finish(engine.FitResult(epochs_run=30, seconds=60.0, best_acc1=50.0, best_epoch=0))
+    log.finish(fit.FitResult(epochs_run=30, seconds=60.0, best_acc1=50.0, best_epoch=0))
     out, err = capfd.readouterr()
     warnings = [line for line in out.splitlines() if line.startswith("warning: could not write")]
     for name in ("metrics.csv", "io.csv", "the TensorBoard events in", "the TensorBoard events of steps/"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from common import distributed, engine, measure, precision, rundir, schedules, telemetry
+from common import distributed, engine, fit, measure, precision, rundir, schedules, telemetry
 from common.data import Sample
 from common.meters import ClassReport, MetricSums
 from conftest import REPO, make_image_folder, run_script
@@ -97,7 +97,7 @@ def slow_trainer(warmup_steps: int, print_freq: int = 1000) -> engine.Trainer:
 
 def test_reported_throughput_and_data_wait_match_a_known_pipeline():
     steps, warmup = 16, 2
-    metrics = slow_trainer(warmup).train_one_epoch(SlowLoaders(steps), epoch=0)
+    metrics = slow_trainer(warmup).train_one_epoch(SlowLoaders(steps), epoch=0).metrics
     true_step_seconds = DATA_DELAY_SECONDS + COMPUTE_SECONDS
     assert metrics.warmup_steps == warmup and metrics.steps == steps and metrics.images == steps * BATCH
     assert metrics.images_per_second == pytest.approx(BATCH / true_step_seconds, rel=0.05)
@@ -117,7 +117,7 @@ def test_warm_up_steps_are_left_out_of_the_rates_and_said_so(capsys):
         def train(self):
             return _SlowBatches(self.steps, first_delay=20 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS))
 
-    metrics = slow_trainer(warmup_steps=2, print_freq=2).train_one_epoch(ColdStartLoaders(10), epoch=0)
+    metrics = slow_trainer(warmup_steps=2, print_freq=2).train_one_epoch(ColdStartLoaders(10), epoch=0).metrics
     assert metrics.images_per_second == pytest.approx(BATCH / (DATA_DELAY_SECONDS + COMPUTE_SECONDS), rel=0.05)
     assert metrics.seconds > 28 * (DATA_DELAY_SECONDS + COMPUTE_SECONDS)  # the wall time keeps every step
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train")]
@@ -311,13 +311,13 @@ def test_the_closing_lines_name_only_the_files_the_run_wrote(tmp_path, capsys):
     (run_dir / "config.json").write_text("{}")
     log = telemetry.RunLog(distributed.single_process("cpu"))
     log.run_dir = run_dir
-    log.finish(engine.FitResult(epochs_run=0, seconds=3.0, best_acc1=float("-inf"), best_epoch=None), stopped=True)
+    log.finish(fit.FitResult(epochs_run=0, seconds=3.0, best_acc1=float("-inf"), best_epoch=None), stopped=True)
     closing = capsys.readouterr().out.splitlines()
     assert closing[1:] == [f"run directory: {run_dir}", f"  config:      {run_dir / 'config.json'}",
                            f"  TensorBoard: tensorboard --logdir {tmp_path}"]
     for name in ("metrics.csv", "val_report.csv", rundir.CHECKPOINT_NAME, "io.csv"):
         (run_dir / name).write_text("")
-    log.finish(engine.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
+    log.finish(fit.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
     closing = capsys.readouterr().out.splitlines()
     assert closing[2:] == [f"  metrics:     {run_dir / 'metrics.csv'}", f"  config:      {run_dir / 'config.json'}",
                            f"  per class:   {run_dir / 'val_report.csv'}",
@@ -326,7 +326,7 @@ def test_the_closing_lines_name_only_the_files_the_run_wrote(tmp_path, capsys):
     (run_dir / rundir.BEST_NAME).write_text("")
     (run_dir / "val_report_best.csv").write_text("")
     log.unwritten["checkpoints"] = "No space left on device"
-    log.finish(engine.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
+    log.finish(fit.FitResult(epochs_run=1, seconds=3.0, best_acc1=50.0, best_epoch=0))
     closing = capsys.readouterr().out
     assert f"  per class:   {run_dir / 'val_report.csv'} (best epoch: val_report_best.csv)\n" in closing
     assert (f"  checkpoints: {run_dir / rundir.CHECKPOINT_NAME} (the newest; best: model_best.pth.tar) "
