@@ -1,10 +1,9 @@
-"""Input pipelines: ImageFolder trees and synthetic tensors, samplers and loaders.
+"""Input pipelines: datasets of image files and of synthetic tensors,
+samplers and loaders. Which files a dataset holds (DATA/train/<class>/<image>
+and DATA/val/<class>/<image>, scanned, cached or listed) is common.dataset_lists'.
 
-Layout read: DATA/train/<class>/<image> and DATA/val/<class>/<image>, as
-torchvision's ImageFolder; class indices come from train/ and val/ uses the
-same mapping. What the files really are decides, not their names: a PNG
-named .JPEG, CMYK, grayscale, palette, RGBA and 16-bit images all become
-8-bit RGB; other files (and FIFOs, sockets, hidden files) are ignored. An
+What the files really are decides, not their names: a PNG named .JPEG,
+CMYK, grayscale, palette, RGBA and 16-bit images all become 8-bit RGB. An
 image file that cannot be decoded follows --bad-images: `fail` stops the run
 at once naming the file (a multi-hour run must neither crash later with an
 anonymous worker traceback nor hang); `skip` puts the next readable image of
@@ -24,10 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import random
-import time
-from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import PIL
@@ -37,16 +33,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from common.config import Config
-from common.distributed import Context, decided_by_primary, gather_to_primary, spans_processes
+from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
-from common.dataset_lists import DatasetLists, FileList, cache_file, load_cache, read_text_list, save_cache
+from common.dataset_lists import FileList, find_lists
 from common.process_signals import data_loader_context, data_loader_worker_init
-from common.measure import on_shared_filesystem
 from common.dali import DaliDecoder
 from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
                               TensorImages, choose_jpeg_decoder, stack_images, train_transform, val_transform)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_VAL_BATCHES = 10  # per process: random tensors have no accuracy worth a full pass
@@ -72,127 +66,6 @@ class Sample(NamedTuple):
     # This image's dataset index when it is above Pillow's decompression-bomb limit (pipelines.large_pixels):
     # counted and one named by the training loop (BadImages), instead of Pillow's anonymous warning.
     large_index: int = -1
-
-
-class FolderOwners:
-    """Which class folder first reached each real folder, across the splits
-    scanned with it. A folder reached from two class folders (a symbolic link
-    to another class's or the other split's folder) puts the same files
-    under two labels, or validates on training images: said, not refused,
-    as some trees are built that way on purpose."""
-
-    def __init__(self):
-        self.owner: Dict[str, str] = {}  # real folder -> the class folder (as listed) that reached it first
-        self.shared: Dict[Tuple[str, str], str] = {}  # (first class folder, second one) -> one real folder of both
-
-    def claim(self, real_folder: str, class_dir: str) -> None:
-        first = self.owner.setdefault(real_folder, class_dir)
-        if first != class_dir:
-            self.shared.setdefault((first, class_dir), real_folder)
-
-    def warnings(self) -> List[str]:
-        return [f"warning: {second} reaches the same files as {first} ({real}, through a symbolic link): they count "
-                f"under both, so the same images have two labels, or are validated on after training on them"
-                for (first, second), real in self.shared.items()]
-
-
-def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
-                 folders: Optional[List[Tuple[str, int]]] = None) -> List[str]:
-    """Image files under a class folder (recursively, following symlinks),
-    by extension, case-insensitive. Hidden files and folders, other
-    extensions and anything that is not a regular file (a FIFO would block
-    the reader forever) are ignored; a broken symlink is kept, so the
-    --bad-images policy reports it. A folder that cannot be listed stops the
-    run, naming it: silently fewer images would be a different dataset.
-    `owners` notes which real folders this class folder reached; `folders`
-    gets each folder listed, with its modification time read before listing
-    it (the file-list cache's check: common.dataset_lists.load_cache)."""
-    found = []
-    pending = [str(class_dir)]
-    seen = set()  # real paths: a symlink back up the tree must not loop forever
-    while pending:
-        folder = pending.pop()
-        real_folder = os.path.realpath(folder)
-        if real_folder in seen:
-            continue
-        seen.add(real_folder)
-        if owners is not None:
-            owners.claim(real_folder, str(class_dir))
-        try:
-            if folders is not None:
-                folders.append((folder, os.stat(folder).st_mtime_ns))
-            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
-        except OSError as error:
-            raise UsageError(f"{folder}: cannot list the folder ({error.strerror})") from None
-        subfolders = []
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            if _follows_to(entry, os.DirEntry.is_dir):  # os.walk order: files first, then subfolders, sorted
-                subfolders.append(entry.path)
-            elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and (_follows_to(entry, os.DirEntry.is_file) or
-                                                                     _is_broken_link(entry)):
-                found.append(entry.path)
-        pending.extend(reversed(subfolders))
-    return found
-
-
-def _follows_to(entry: os.DirEntry, kind) -> bool:
-    """entry.is_dir() or .is_file(), following symlinks; False where that
-    fails (a link loop, a target that cannot be looked at)."""
-    try:
-        return kind(entry)
-    except OSError:
-        return False
-
-
-def _is_broken_link(entry: os.DirEntry) -> bool:
-    """A symlink whose target cannot be reached: missing, a loop, not permitted."""
-    if not entry.is_symlink():
-        return False
-    try:
-        os.stat(entry.path)
-        return False
-    except OSError:
-        return True
-
-
-def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
-               owners: Optional[FolderOwners] = None,
-               folders: Optional[List[Tuple[str, int]]] = None) -> Tuple[List[str], FileList]:
-    """The classes and (path, class index) samples of one split folder.
-
-    With `class_to_idx` (train's mapping, when scanning val/) every class
-    folder must be one of train's classes. `owners`, shared by the splits
-    of a dataset, notes folders reached from two class folders; `folders`
-    gets every folder listed and its modification time (_image_files).
-    """
-    try:
-        if folders is not None:
-            folders.append((str(split_dir), os.stat(split_dir).st_mtime_ns))
-        entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
-    except OSError as error:
-        raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
-    for entry in entries:  # a class folder whose link points nowhere would shift every later class index
-        if not _follows_to(entry, os.DirEntry.is_dir) and _is_broken_link(entry):
-            raise UsageError(f"{entry.path}: class folder is a broken symbolic link (to {os.readlink(entry.path)})")
-    classes = sorted(entry.name for entry in entries if _follows_to(entry, os.DirEntry.is_dir))
-    if not classes:
-        raise UsageError(f"{split_dir}: no class folders (expected {split_dir}/<class>/<images>)")
-    if class_to_idx is None:
-        class_to_idx = {name: index for index, name in enumerate(classes)}
-
-    def samples():
-        for name in classes:
-            if name not in class_to_idx:
-                raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
-            files = _image_files(split_dir / name, owners, folders)
-            if not files:
-                raise UsageError(f"{split_dir / name}: class folder has no images "
-                                 f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
-            yield from ((path, class_to_idx[name]) for path in files)
-
-    return classes, FileList(samples(), prefix=str(split_dir) + os.sep)
 
 
 def derived_seed(*parts: int) -> int:
@@ -486,76 +359,12 @@ def build_datasets(cfg: Config, ctx: Context,
         # A habit of copied command lines; silence would suggest DATA was trained on.
         notes = [f"note: --synthetic: DATA {cfg.data} is not read; random images stand in for it"] if cfg.data else []
         return train, val, classes, notes
-    lists = dataset_lists(cfg, ctx)
+    lists = find_lists(cfg.data, cfg.file_list, ctx)
     skip = cfg.bad_images == "skip"
     train = ImageFolderDataset(lists.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
                                skip_bad_images=skip)
     val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip)
     return train, val, lists.classes, lists.notes
-
-
-def scan_dataset(root: Path) -> DatasetLists:
-    """Scan DATA's train/ and val/ (val with train's class indices)."""
-    owners, folders = FolderOwners(), []
-    classes, train = scan_split(root / "train", owners=owners, folders=folders)
-    _, val = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners, folders)
-    return DatasetLists(classes, train, val, owners.warnings(), folders)
-
-
-def dataset_lists(cfg: Config, ctx: Context) -> DatasetLists:
-    """The dataset's classes and samples, found once per job: the primary
-    reads --file-list, or the cache of an earlier scan while its folders are
-    unchanged, or scans DATA (and caches what it found: dataset_lists.cache_file);
-    every other process receives the lists from it instead of scanning the
-    shared file system too. A mistake the primary meets is everyone's. Where
-    DATA is on a node's own disk, the first process of each other node also
-    checks its copy against them (_check_this_nodes_copy)."""
-    found = decided_by_primary(lambda: _find_lists(cfg), ctx)
-    # Rank 0's lists, under this process's DATA: a node may hold its copy elsewhere.
-    found = dataclasses.replace(found, **{split: getattr(found, split).with_prefix(str(Path(cfg.data) / split) + os.sep)
-                                          for split in ("train", "val")})
-    if spans_processes(ctx) and ctx.local_rank == 0 and not ctx.is_primary and not on_shared_filesystem(cfg.data):
-        _check_this_nodes_copy(cfg, found)  # a node-local copy of DATA (staged on local disk) may differ
-    return found
-
-
-def _check_this_nodes_copy(cfg: Config, primary: DatasetLists) -> None:
-    """This node's DATA holds what rank 0's lists name: the first process of
-    each other node lists its own copy (not the cache, which is rank 0's) and
-    compares. One listing per node, not per process."""
-    mine = read_text_list(cfg.file_list, cfg.data) if cfg.file_list else scan_dataset(Path(cfg.data))
-    for split in ("train", "val"):
-        ours, theirs = getattr(mine, split), getattr(primary, split)
-        if not ours.same_samples(theirs):
-            shorter = min(len(ours), len(theirs))
-            index = next((index for index in range(shorter) if ours[index] != theirs[index]), shorter)
-            first = (ours if index < len(ours) else theirs)[index][0]
-            raise UsageError(f"DATA {cfg.data}: this node's copy differs from rank 0's ({len(ours):,} {split} images "
-                             f"here, {len(theirs):,} there; the first that differs: {first})")
-
-
-def _find_lists(cfg: Config) -> DatasetLists:
-    started = time.monotonic()
-    if cfg.file_list:
-        lists = read_text_list(cfg.file_list, cfg.data)
-        source = f"from --file-list {cfg.file_list}"
-    else:
-        cache = cache_file(cfg.data)
-        lists = load_cache(cache) if cache is not None else None
-        if lists is not None:
-            source = f"from the cache {cache} (no folder changed since its scan)"
-        else:
-            lists = scan_dataset(Path(cfg.data))
-            source = "scanned; not cached (no home folder: set XDG_CACHE_HOME)"
-            try:
-                if cache is not None:
-                    save_cache(cache, lists)
-                    source = f"scanned, cached in {cache}"
-            except OSError as error:
-                source = f"scanned; not cached ({cache}: {error.strerror or error})"
-    images = f"{len(lists.train):,} training and {len(lists.val):,} validation images"
-    return dataclasses.replace(lists, notes=[*lists.notes, f"file lists: {images}, {source}, in "
-                                                           f"{time.monotonic() - started:.1f} s"])
 
 
 def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) -> Callable:
@@ -568,13 +377,13 @@ def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) ->
     return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder)
 
 
-def jpeg_decoder(cfg: Config) -> Optional[JpegDecoder]:
+def jpeg_decoder(data_backend: str, synthetic: bool) -> Optional[JpegDecoder]:
     """Which library decodes the run's JPEGs, chosen once for both splits
     and all data-loading workers (pipelines.choose_jpeg_decoder); Pillow's
     for --data-backend pil, None for synthetic data."""
-    if cfg.synthetic:
+    if synthetic:
         return None
-    if cfg.data_backend == "pil":
+    if data_backend == "pil":
         return JpegDecoder("pillow", PIL.__version__)  # the reference: Pillow all the way
     return choose_jpeg_decoder()
 
@@ -589,7 +398,7 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     # DALI first: a missing package is said before the data is scanned. It drives this process's device.
     dali = (DaliDecoder(ctx.device, cfg.image_size, batch_size, cfg.workers)
             if cfg.data_backend == "dali" and not cfg.synthetic else None)
-    decoder = jpeg_decoder(cfg)
+    decoder = jpeg_decoder(cfg.data_backend, cfg.synthetic)
     train_set, val_set, classes, notes = build_datasets(cfg, ctx, decoder)
     train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed, cfg.accum_steps)
     if train_sampler.steps_per_epoch() == 0:

@@ -1,24 +1,32 @@
-"""A dataset's (path, class index) samples, held compactly.
+"""A dataset's lists: its classes and each split's (path, class index)
+samples, from a scan of DATA, the cache of an earlier scan, or --file-list;
+held compactly, and found once per job.
 
-A Python list of (str, int) tuples costs about 200 bytes an image in
-objects, and it is not only memory: a data-loading worker forked from the
-training process shares those pages until it reads a sample, which writes
-the objects' reference counts, so page by page each worker ends up with a
-private copy (the copy-on-read growth PyTorch's DataLoader documentation
-warns about). At ImageNet's 1.28M images a worker that reads every sample
-once copied 265 MiB of them (the bench's data-scale section; FileList: 0.14
-MiB), in each of the 80 workers a node has at the upstream's launch.
+Layout read: DATA/train/<class>/<image> and DATA/val/<class>/<image>, as
+torchvision's ImageFolder; class indices come from train/ and val/ uses the
+same mapping. Image files are found by extension, case-insensitive (what
+they really are is the decoder's business: common.pipelines); other files
+(and FIFOs, sockets, hidden files) are ignored, and a folder that cannot be
+listed stops the run, naming it.
 
-FileList keeps the paths' bytes in one numpy buffer, the offset where each
-one ends in a second array and the class indices in a third: three objects,
-whatever the number of images. Reading a sample builds the tuple it returns
-and writes to no page of the list.
+Held compactly: a Python list of (str, int) tuples costs about 200 bytes an
+image in objects, and it is not only memory: a data-loading worker forked
+from the training process shares those pages until it reads a sample, which
+writes the objects' reference counts, so page by page each worker ends up
+with a private copy (the copy-on-read growth PyTorch's DataLoader
+documentation warns about). At ImageNet's 1.28M images a worker that reads
+every sample once copied 265 MiB of them (the bench's data-scale section;
+FileList: 0.14 MiB), in each of the 80 workers a node has at the upstream's
+launch. FileList keeps the paths' bytes in one numpy buffer, the offset
+where each one ends in a second array and the class indices in a third:
+three objects, whatever the number of images. Reading a sample builds the
+tuple it returns and writes to no page of the list.
 
-A dataset's lists (DatasetLists) are found once per job (common.data), and
-come from one of: a scan of DATA, the cache of an earlier scan (a small .npz
-file, used while every folder the scan listed keeps its modification time),
-or --file-list, a text file of "split/relative/path label" lines (the format
-of DALI's file reader) that `python -m common.tools.filelist` writes.
+Found once per job (find_lists): the primary process reads --file-list (a
+text file of "split/relative/path label" lines, the format of DALI's file
+reader, that `python -m common.tools.filelist` writes), or the cache of an
+earlier scan (a small .npz file, used while every folder the scan listed
+keeps its modification time), or scans DATA; the others receive its lists.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import dataclasses
 import hashlib
 import operator
 import os
+import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,8 +44,12 @@ from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
+from common.distributed import Context, decided_by_primary, spans_processes
 from common.errors import UsageError
-from common.rundir import atomic_write
+from common.files import atomic_write, on_shared_filesystem
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SPLITS = ("train", "val")
 
 
 class FileList(Sequence):
@@ -139,6 +152,140 @@ class DatasetLists:
     folders: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
+# --- scanning DATA ---
+
+class FolderOwners:
+    """Which class folder first reached each real folder, across the splits
+    scanned with it. A folder reached from two class folders (a symbolic link
+    to another class's or the other split's folder) puts the same files
+    under two labels, or validates on training images: said, not refused,
+    as some trees are built that way on purpose."""
+
+    def __init__(self):
+        self.owner: Dict[str, str] = {}  # real folder -> the class folder (as listed) that reached it first
+        self.shared: Dict[Tuple[str, str], str] = {}  # (first class folder, second one) -> one real folder of both
+
+    def claim(self, real_folder: str, class_dir: str) -> None:
+        first = self.owner.setdefault(real_folder, class_dir)
+        if first != class_dir:
+            self.shared.setdefault((first, class_dir), real_folder)
+
+    def warnings(self) -> List[str]:
+        return [f"warning: {second} reaches the same files as {first} ({real}, through a symbolic link): they count "
+                f"under both, so the same images have two labels, or are validated on after training on them"
+                for (first, second), real in self.shared.items()]
+
+
+def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
+                 folders: Optional[List[Tuple[str, int]]] = None) -> List[str]:
+    """Image files under a class folder (recursively, following symlinks),
+    by extension, case-insensitive. Hidden files and folders, other
+    extensions and anything that is not a regular file (a FIFO would block
+    the reader forever) are ignored; a broken symlink is kept, so the
+    --bad-images policy reports it. A folder that cannot be listed stops the
+    run, naming it: silently fewer images would be a different dataset.
+    `owners` notes which real folders this class folder reached; `folders`
+    gets each folder listed, with its modification time read before listing
+    it (the cache's check: load_cache)."""
+    found = []
+    pending = [str(class_dir)]
+    seen = set()  # real paths: a symlink back up the tree must not loop forever
+    while pending:
+        folder = pending.pop()
+        real_folder = os.path.realpath(folder)
+        if real_folder in seen:
+            continue
+        seen.add(real_folder)
+        if owners is not None:
+            owners.claim(real_folder, str(class_dir))
+        try:
+            if folders is not None:
+                folders.append((folder, os.stat(folder).st_mtime_ns))
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError as error:
+            raise UsageError(f"{folder}: cannot list the folder ({error.strerror})") from None
+        subfolders = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if _follows_to(entry, os.DirEntry.is_dir):  # os.walk order: files first, then subfolders, sorted
+                subfolders.append(entry.path)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and (_follows_to(entry, os.DirEntry.is_file) or
+                                                                     _is_broken_link(entry)):
+                found.append(entry.path)
+        pending.extend(reversed(subfolders))
+    return found
+
+
+def _follows_to(entry: os.DirEntry, kind) -> bool:
+    """entry.is_dir() or .is_file(), following symlinks; False where that
+    fails (a link loop, a target that cannot be looked at)."""
+    try:
+        return kind(entry)
+    except OSError:
+        return False
+
+
+def _is_broken_link(entry: os.DirEntry) -> bool:
+    """A symlink whose target cannot be reached: missing, a loop, not permitted."""
+    if not entry.is_symlink():
+        return False
+    try:
+        os.stat(entry.path)
+        return False
+    except OSError:
+        return True
+
+
+def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
+               owners: Optional[FolderOwners] = None,
+               folders: Optional[List[Tuple[str, int]]] = None) -> Tuple[List[str], FileList]:
+    """The classes and (path, class index) samples of one split folder.
+
+    With `class_to_idx` (train's mapping, when scanning val/) every class
+    folder must be one of train's classes. `owners`, shared by the splits
+    of a dataset, notes folders reached from two class folders; `folders`
+    gets every folder listed and its modification time (_image_files).
+    """
+    try:
+        if folders is not None:
+            folders.append((str(split_dir), os.stat(split_dir).st_mtime_ns))
+        entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
+    except OSError as error:
+        raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
+    for entry in entries:  # a class folder whose link points nowhere would shift every later class index
+        if not _follows_to(entry, os.DirEntry.is_dir) and _is_broken_link(entry):
+            raise UsageError(f"{entry.path}: class folder is a broken symbolic link (to {os.readlink(entry.path)})")
+    classes = sorted(entry.name for entry in entries if _follows_to(entry, os.DirEntry.is_dir))
+    if not classes:
+        raise UsageError(f"{split_dir}: no class folders (expected {split_dir}/<class>/<images>)")
+    if class_to_idx is None:
+        class_to_idx = {name: index for index, name in enumerate(classes)}
+
+    def samples():
+        for name in classes:
+            if name not in class_to_idx:
+                raise UsageError(f"{split_dir / name}: class {name!r} is not among the classes of train/")
+            files = _image_files(split_dir / name, owners, folders)
+            if not files:
+                raise UsageError(f"{split_dir / name}: class folder has no images "
+                                 f"(looked for {', '.join(IMAGE_EXTENSIONS)})")
+            yield from ((path, class_to_idx[name]) for path in files)
+
+    return classes, FileList(samples(), prefix=str(split_dir) + os.sep)
+
+
+def scan_dataset(root: Path) -> DatasetLists:
+    """Scan DATA's train/ and val/ (val with train's class indices)."""
+    owners, folders = FolderOwners(), []
+    classes, train = scan_split(root / "train", owners=owners, folders=folders)
+    _, val = scan_split(root / "val", {name: index for index, name in enumerate(classes)}, owners, folders)
+    return DatasetLists(classes, train, val, owners.warnings(), folders)
+
+
+
+# --- the scan's cache ---
+
 CACHE_VERSION = 1
 
 
@@ -192,8 +339,7 @@ def load_cache(path: Path) -> Optional[DatasetLists]:
         return None
 
 
-SPLITS = ("train", "val")
-
+# --- --file-list's text format ---
 
 def write_text_list(handle: BinaryIO, lists: DatasetLists) -> int:
     """--file-list's format: one "split/relative/path label" line per image
@@ -282,3 +428,64 @@ def _check_present(by_split: Dict[str, List[Tuple[bytes, int]]], data: str, flag
         missing.extend(os.path.join(root, folder, name) for name in sorted(names - present))
     if missing:
         raise UsageError(f"{flag}: {len(missing)} listed file(s) missing, e.g. {os.fsdecode(missing[0])}")
+
+
+# --- once per job ---
+
+def find_lists(data: str, file_list: Optional[str], ctx: Context) -> DatasetLists:
+    """The classes and samples of the dataset folder `data` (DATA), found once
+    per job: the primary reads `file_list` (--file-list), or the cache of an
+    earlier scan while its folders are unchanged, or scans DATA (and caches
+    what it found: cache_file); every other process receives the lists from
+    it instead of scanning the shared file system too. A mistake the primary
+    meets is everyone's. Where DATA is on a node's own disk, the first
+    process of each other node also checks its copy against them
+    (_check_this_nodes_copy)."""
+    found = decided_by_primary(lambda: _read_or_scan(data, file_list), ctx)
+    # Rank 0's lists, under this process's DATA: a node may hold its copy elsewhere.
+    found = dataclasses.replace(found, **{split: getattr(found, split).with_prefix(str(Path(data) / split) + os.sep)
+                                          for split in SPLITS})
+    if spans_processes(ctx) and ctx.local_rank == 0 and not ctx.is_primary and not on_shared_filesystem(data):
+        _check_this_nodes_copy(data, file_list, found)  # a node-local copy of DATA (staged on local disk) may differ
+    return found
+
+
+def _check_this_nodes_copy(data: str, file_list: Optional[str], primary: DatasetLists) -> None:
+    """This node's DATA holds what rank 0's lists name: the first process of
+    each other node lists its own copy (not the cache, which is rank 0's) and
+    compares. One listing per node, not per process."""
+    mine = read_text_list(file_list, data) if file_list else scan_dataset(Path(data))
+    for split in SPLITS:
+        ours, theirs = getattr(mine, split), getattr(primary, split)
+        if not ours.same_samples(theirs):
+            shorter = min(len(ours), len(theirs))
+            index = next((index for index in range(shorter) if ours[index] != theirs[index]), shorter)
+            first = (ours if index < len(ours) else theirs)[index][0]
+            raise UsageError(f"DATA {data}: this node's copy differs from rank 0's ({len(ours):,} {split} images "
+                             f"here, {len(theirs):,} there; the first that differs: {first})")
+
+
+def _read_or_scan(data: str, file_list: Optional[str]) -> DatasetLists:
+    """The primary's part of find_lists: the lists from `file_list`, the
+    cache or a scan (cached), with a last note saying which and how long it took."""
+    started = time.monotonic()
+    if file_list:
+        lists = read_text_list(file_list, data)
+        source = f"from --file-list {file_list}"
+    else:
+        cache = cache_file(data)
+        lists = load_cache(cache) if cache is not None else None
+        if lists is not None:
+            source = f"from the cache {cache} (no folder changed since its scan)"
+        else:
+            lists = scan_dataset(Path(data))
+            source = "scanned; not cached (no home folder: set XDG_CACHE_HOME)"
+            try:
+                if cache is not None:
+                    save_cache(cache, lists)
+                    source = f"scanned, cached in {cache}"
+            except OSError as error:
+                source = f"scanned; not cached ({cache}: {error.strerror or error})"
+    images = f"{len(lists.train):,} training and {len(lists.val):,} validation images"
+    return dataclasses.replace(lists, notes=[*lists.notes, f"file lists: {images}, {source}, in "
+                                                           f"{time.monotonic() - started:.1f} s"])

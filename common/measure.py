@@ -30,11 +30,11 @@ import torch
 
 from common.config import Config
 from common.distributed import Context, all_reduce_max, all_reduce_sum, gather_to_primary
+from common.files import MIB, filesystem_type
 from common.meters import SplitTiming
 
 IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
               "read_ops_per_second", "write_ops_per_second"]
-MIB = 2 ** 20
 T = TypeVar("T")
 
 
@@ -350,34 +350,6 @@ def read_diskstats(path: str = "/proc/diskstats") -> Dict[str, DiskCounters]:
                 devices[name] = DiskCounters(major, minor, int(fields[3]), 512 * int(fields[5]), int(fields[7]),
                                              512 * int(fields[9]))
     return devices
-
-
-# File systems that every node of a cluster sees alike (a dataset on one is listed once per job, by rank 0;
-# a node-local copy is checked on each node: common.data.dataset_lists). FUSE mounts count too.
-SHARED_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "cifs", "smb3", "glusterfs",
-                      "wekafs", "panfs", "afs", "pvfs2", "orangefs", "9p", "virtiofs")
-
-
-def on_shared_filesystem(path: str) -> bool:
-    """Whether `path` is on a network or cluster file system (by its type in /proc/self/mountinfo)."""
-    fstype = filesystem_type(path)
-    return fstype in SHARED_FILESYSTEMS or fstype.startswith("fuse")
-
-
-def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
-    """The type of the file system holding `path` (the longest mount point above it)."""
-    target, best, fstype = os.path.realpath(path), "", "unknown"
-    try:
-        with open(mountinfo) as handle:
-            for line in handle:
-                before, _, after = line.partition(" - ")
-                mount_point = before.split()[4].replace("\\040", " ")
-                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) > len(best):
-                    best, fstype = mount_point, after.split()[0]
-    except (OSError, IndexError):
-        pass
-    return fstype
 
 
 def block_device_of(path: str, diskstats: str = "/proc/diskstats") -> Tuple[Optional[str], str]:

@@ -14,8 +14,8 @@ Checkpoints: each is a file of its own, checkpoint-epoch<E>-images<N>.pth.tar
 checkpoint.pth.tar is always the newest (a hard link, or a copy where the
 file system has none), model_best.pth.tar the best epoch's, and only the
 newest --keep-checkpoints files are kept. Every file is written under a
-temporary name, flushed and renamed: a crash mid-write leaves the previous
-one intact. Nothing already written is overwritten or deleted silently.
+temporary name, flushed and renamed (common.files.atomic_write): a crash
+mid-write leaves the previous one intact. Nothing already written is overwritten or deleted silently.
 Used by common.checkpoint (saving into it) and common.telemetry (logging
 into it); the primary process alone writes.
 """
@@ -26,7 +26,6 @@ import csv
 import datetime
 import errno
 import fcntl
-import io
 import itertools
 import json
 import os
@@ -35,27 +34,21 @@ import shutil
 import socket
 import sys
 from pathlib import Path
-from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO, Tuple
+from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
 
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
 from common.errors import UsageError, error_summary
+from common.files import CSV_TEXT, MIB, TEMPORARY_NAME, atomic_write, format_bytes, link_atomically, rewrite_rows
 from common.launcher import ray_train_context, restart_name
 
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
 BEST_NAME = "model_best.pth.tar"  # the state of the epoch with the best validation top-1
 _KEPT_NAME = re.compile(r"^checkpoint-epoch(\d+)-images(\d+)\.pth\.tar$")
 LOCK_NAME = "run.lock"  # held by the run writing in the directory (RunLock)
-# The temporary files of atomic_write and _link_atomically (.<name>.tmp-<pid>), and of older versions (.<name>.tmp).
-_TEMPORARY_NAME = re.compile(r"^\..+\.tmp(-\d+)?$")
 # What a resume from an earlier position sets aside (besides the newer checkpoint files).
 _RESULT_FILES = ("metrics.csv", CHECKPOINT_NAME, BEST_NAME, "val_report.csv", "val_report_best.csv",
                  "confusion_matrix.npy", "confusion_matrix_best.npy")
-# How the run's CSV files are opened: a file name that is not valid UTF-8 (bad_images.csv lists
-# unreadable files by name) is kept as its own bytes, both ways, instead of failing the write or a
-# later read of the file.
-CSV_TEXT = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
-MIB = 2 ** 20
 # Room for the logs besides the checkpoints: metrics, TensorBoard events, reports (a 90-epoch ImageNet run
 # writes a few MiB).
 LOG_ROOM_BYTES = 64 * MIB
@@ -83,71 +76,6 @@ def kept_checkpoints(run_dir: Path) -> List[Path]:
     return sorted(found, key=position_of, reverse=True)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write to a temporary file beside `path`, flush it to disk, then rename it
-    over `path`, and flush the rename: readers see the old file or the new
-    one, never half of one, and after a crash of the node, too."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temporary, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        sync_directory(path.parent)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
-def atomic_write_text(path: Path, write: Callable[[TextIO], None]) -> None:
-    """atomic_write for text (CSV_TEXT's encoding: names that are not valid
-    UTF-8 are kept as their bytes)."""
-    def write_text(handle: BinaryIO) -> None:
-        text = io.TextIOWrapper(handle, encoding=CSV_TEXT["encoding"], errors=CSV_TEXT["errors"],
-                                newline=CSV_TEXT["newline"])
-        write(text)
-        text.flush()
-        text.detach()  # atomic_write flushes and closes the file itself
-
-    atomic_write(path, write_text)
-
-
-def sync_directory(folder: Path) -> None:
-    """Flush `folder`'s entries to disk, as databases do after a rename: the
-    file's own fsync does not cover its name, so a node that crashes right
-    after a save could come back with the name pointing at the old file, or
-    at none. A filesystem that cannot sync a directory (some network ones
-    refuse) keeps its renames as durable as it makes them."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
-def _link_atomically(source: Path, destination: Path) -> None:
-    """Make `destination` the same file as `source` (a hard link: no second
-    copy on disk; a copy where links are not supported), replacing it at once."""
-    temporary = destination.with_name(f".{destination.name}.tmp-{os.getpid()}")
-    try:
-        try:
-            os.link(source, temporary)
-        except OSError:
-            with open(source, "rb") as original:
-                atomic_write(temporary, lambda handle: shutil.copyfileobj(original, handle))
-        os.replace(temporary, destination)
-        sync_directory(destination.parent)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
-
-
 def add_checkpoint(run_dir: Path, epoch: int, images_done: int, write: Callable[[BinaryIO], None], is_best: bool,
                    keep: int) -> Path:
     """Write a checkpoint file with `write`, make checkpoint.pth.tar (and,
@@ -156,79 +84,12 @@ def add_checkpoint(run_dir: Path, epoch: int, images_done: int, write: Callable[
     run_dir = Path(run_dir)
     path = run_dir / kept_name(epoch, images_done)
     atomic_write(path, write)
-    _link_atomically(path, run_dir / CHECKPOINT_NAME)
+    link_atomically(path, run_dir / CHECKPOINT_NAME)
     if is_best:
-        _link_atomically(path, run_dir / BEST_NAME)
+        link_atomically(path, run_dir / BEST_NAME)
     for old in kept_checkpoints(run_dir)[keep:]:
         old.unlink()
     return path
-
-
-# --- CSV files that grow by rows ---
-
-def rewrite_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
-    """Replace a CSV file by these rows under these columns (a new file
-    renamed over it: later appends never reach a copy kept by a link). A
-    write that fails (a full disk) raises and leaves the old file as it was."""
-    def write(handle: TextIO) -> None:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-    atomic_write_text(path, write)
-
-
-def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
-    """Append rows to a CSV file, with the header when the file is new; a
-    missing value is an empty cell. A file written with other columns (an
-    older version's metrics.csv, being resumed) is first rewritten with these,
-    its rows kept, so every row matches the header. An append that fails (a
-    full disk) raises and is undone: the file is cut back to its size before
-    (a new one removed), never left with half a row, nor shorter."""
-    new_file = not path.is_file()
-    if not new_file:
-        with open(path, **CSV_TEXT) as handle:  # the header only, unless it differs (io.csv grows long)
-            header = next(csv.reader(handle), None)
-            old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
-        if old_rows is not None:
-            rewrite_rows(path, columns, old_rows)
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=columns)
-    if new_file:
-        writer.writeheader()
-    writer.writerows(rows)
-    append_whole(path, text.getvalue().encode(CSV_TEXT["encoding"], CSV_TEXT["errors"]), remove_if_new=new_file)
-
-
-def append_whole(path: Path, data: bytes, remove_if_new: bool = True) -> None:
-    """Append `data` to `path` (created if missing) all or nothing: a write
-    that fails partway (a full disk, a quota) is cut off again and the error
-    raised, so the file never ends in half a row or record. Unbuffered, so
-    no buffer is left to be written behind the cut when the file is closed."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    try:
-        size_before = os.fstat(descriptor).st_size
-        try:
-            remaining = memoryview(data)
-            while remaining:
-                remaining = remaining[os.write(descriptor, remaining):]
-        except OSError:
-            os.ftruncate(descriptor, size_before)  # frees blocks: it needs no room
-            if remove_if_new and size_before == 0:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            raise
-    finally:
-        os.close(descriptor)
-
-
-def format_bytes(count: Optional[int]) -> str:
-    if not count:
-        return "0 B"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
 
 
 # --- which directory ---
@@ -467,7 +328,7 @@ def _remove_leftover_temporaries(run_dir: Path, may_remove: bool) -> List[Tuple[
     found = []
     with os.scandir(run_dir) as entries:
         for entry in entries:
-            if _TEMPORARY_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+            if TEMPORARY_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
                 found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
     removed_bytes, stuck = [], []
     for path, size in found:
@@ -489,9 +350,9 @@ def _temporary_files(count: int) -> str:
     return f"{count} temporary file" + ("s" if count != 1 else "")
 
 
-def _directory_flag(cfg: Config) -> str:
+def _directory_flag(run_name: Optional[str], resume: Optional[str]) -> str:
     """The flag that chose the run directory, for messages about it."""
-    return "--run-name" if cfg.run_name is not None else "--resume" if cfg.resume else "--logdir"
+    return "--run-name" if run_name is not None else "--resume" if resume else "--logdir"
 
 
 def _preserve(source: Path, destination: Path) -> None:
@@ -528,10 +389,10 @@ class RunDirectory:
             try:
                 made_from = _outermost_missing(Path(cfg.logdir))
                 path, resuming = _choose_directory(cfg, ctx)
-                lock = None
+                flag, lock = _directory_flag(cfg.run_name, cfg.resume), None
                 try:
                     _check_writable(path)
-                    lock = RunLock.take(path, _directory_flag(cfg))
+                    lock = RunLock.take(path, flag)
                     stuck = _remove_leftover_temporaries(path, may_remove=lock.held)
                     _check_room(path, resuming, cfg.keep_checkpoints, checkpoint_bytes, stuck)
                 except (UsageError, OSError) as error:
@@ -540,7 +401,7 @@ class RunDirectory:
                     if not resuming:
                         _remove_empty_folders(path, made_from)
                     if isinstance(error, OSError):  # listing it, or its free space, failed
-                        raise UsageError(f"argument {_directory_flag(cfg)}: cannot use {path} "
+                        raise UsageError(f"argument {flag}: cannot use {path} "
                                          f"({error.strerror or error_summary(error)})") from None
                     raise
                 run_dir = RunDirectory(path, resuming, lock, made_from)

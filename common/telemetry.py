@@ -35,10 +35,10 @@ from common.config import Config
 from common import hardware
 from common.distributed import Context
 from common.errors import UsageError, one_line, printable
+from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text, format_bytes
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
-from common.rundir import (BEST_NAME, CHECKPOINT_NAME, CSV_TEXT, RunDirectory, append_rows, append_whole,
-                           atomic_write, atomic_write_text, format_bytes)
+from common.rundir import BEST_NAME, CHECKPOINT_NAME, RunDirectory
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 

@@ -1,13 +1,16 @@
 """The shape of common/ (docs/architecture.md): every module imports alone,
-the imports between modules form no circle, the bottom layer stays at the
-bottom, the command line stays free of torch, launchers' environment
-variables are read in one place, and no class grows past ~150 lines, no
-module past ~600 and no function past ~60 without saying why."""
+the imports between modules form no circle, each module imports only the
+ones listed before it in the architecture's module table (file mechanics,
+common/files.py, at the bottom), the command line stays free of torch,
+launchers' environment variables are read in one place, and no class grows
+past ~150 lines, no module past ~600 and no function past ~60 without
+saying why."""
 from __future__ import annotations
 
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +20,12 @@ from conftest import REPO
 
 COMMON = REPO / "common"
 MAX_CLASS_LINES = 150
-# The bottom layer: what every module may import, and which imports no other module of common/ than these.
-BOTTOM = {"common.errors", "common.config", "common.arguments", "common.hardware", "common.ports"}
+# The bottom layer, the table's first rows: what every module may import, and which imports no other module of
+# common/ than these.
+BOTTOM = {"common.errors", "common.files", "common.ports", "common.config", "common.arguments", "common.hardware"}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+# A row of its module table: `common/name.py`, or a folder, `common/tools/`, that stands for all its modules.
+TABLE_ROW = re.compile(r"^\| `common/([\w/]+?)(\.py|/)` \|", re.MULTILINE)
 # Only the entry scripts and the tools import the command line; and the Ray launchers' driver, which checks
 # the training command with the script's own parser before Ray starts.
 CLI_IMPORTERS = {"common.tools.bench", "common.ray_cluster"}
@@ -56,6 +63,31 @@ def imports_of(path: Path) -> set:
 
 
 GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def floors(table: str) -> dict:
+    """Each module of common/ -> the row of docs/architecture.md's module
+    table it is listed in, counted from 0, the bottom floor. A folder's row
+    holds every module under it; the tools' old paths (ALIASES) stand in the
+    tools' row."""
+    floor = {}
+    for row, (name, kind) in enumerate(TABLE_ROW.findall(table)):
+        module = "common." + name.strip("/").replace("/", ".")
+        floor[module] = row
+        if kind == "/":
+            floor.update({inside: row for inside in MODULES if inside.startswith(module + ".")})
+            floor.update({alias: row for alias in ALIASES if module == "common.tools"})
+    return floor
+
+
+FLOOR = floors(ARCHITECTURE.read_text())
+
+
+def upward_imports(graph: dict, floor: dict) -> list:
+    """(module, imported) for each import of a module listed after the importer
+    (modules of one folder's row may import each other)."""
+    return sorted((name, imported) for name, modules in graph.items() for imported in modules
+                  if floor[imported] > floor[name])
 
 
 def test_the_graph_is_read_from_real_imports():
@@ -119,6 +151,23 @@ def test_each_module_imports_alone():
 def test_bottom_layer_imports_only_the_bottom_layer():
     for name in BOTTOM:
         assert GRAPH[name] <= BOTTOM, (name, GRAPH[name] - BOTTOM)
+    assert GRAPH["common.files"] <= {"common.errors"}  # file mechanics: nothing of runs, datasets or processes
+
+
+def test_the_module_table_is_read_from_the_architecture_page():
+    assert {name for name, floor in FLOOR.items() if floor < len(BOTTOM)} == BOTTOM  # the bottom floor comes first
+    assert FLOOR["common.files"] < FLOOR["common.dataset_lists"] < FLOOR["common.data"] < FLOOR["common.rundir"]
+    assert FLOOR["common.tools.bench"] == FLOOR["common.tools.scaling"] == FLOOR["common.bench"] == max(FLOOR.values())
+    assert set(MODULES) - PACKAGES <= set(FLOOR), sorted(set(MODULES) - PACKAGES - set(FLOOR))  # each has its row
+
+
+def test_upward_import_finder_finds_one():
+    floor = {"a": 0, "b": 1, "t.x": 2, "t.y": 2}
+    assert upward_imports({"a": {"b"}, "b": set(), "t.x": {"t.y", "a"}, "t.y": {"t.x"}}, floor) == [("a", "b")]
+
+
+def test_each_module_imports_only_the_ones_listed_before_it():
+    assert upward_imports({name: GRAPH[name] for name in set(MODULES) - PACKAGES}, FLOOR) == []
 
 
 def module_level_imports(path: Path) -> set:

@@ -553,7 +553,7 @@ def test_the_input_section_measures_dali_only_where_the_backends_name_it_and_it_
 @pytest.mark.slow  # four short training runs on the CPU (about 20 s)
 def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp_path, capsys):
     """At a reduced size (CI's): the tree of hard links, built once, and the rows the targets read."""
-    from common.data import scan_split
+    from common.dataset_lists import scan_split
     from common.tools import data_scale
 
     bench.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),

@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 from PIL import Image
 
-from common import data
+from common import data, dataset_lists
 from common.cli import parse
 from common.errors import UsageError
-from common.data import ShardSampler, build_loaders, scan_split
+from common.data import ShardSampler, build_loaders
+from common.dataset_lists import scan_split
 from common.pipelines import BadImageError, read_rgb
 from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
@@ -377,9 +378,10 @@ def test_a_forked_worker_that_reads_every_sample_copies_no_page_of_the_file_list
 
 # --- finding the lists once: the scan's cache, --file-list and its writer ---
 
-def _found(root: Path, *flags) -> data.DatasetLists:
+def _found(root: Path, *flags) -> dataset_lists.DatasetLists:
     """What build_loaders would train on."""
-    return data.dataset_lists(parse("nd", [str(root), *FAST_ARGS, *flags]), CPU)
+    cfg = parse("nd", [str(root), *FAST_ARGS, *flags])
+    return dataset_lists.find_lists(cfg.data, cfg.file_list, CPU)
 
 
 def _source(lists) -> str:
@@ -391,9 +393,9 @@ def _source(lists) -> str:
 def test_a_scan_is_cached_and_used_again_until_a_folder_gains_loses_or_renames_a_file(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=2)
     first = _found(root)
-    assert _source(first) == f"scanned, cached in {data.cache_file(str(root))}"
+    assert _source(first) == f"scanned, cached in {dataset_lists.cache_file(str(root))}"
     again = _found(root)
-    assert _source(again) == f"from the cache {data.cache_file(str(root))} (no folder changed since its scan)"
+    assert _source(again) == f"from the cache {dataset_lists.cache_file(str(root))} (no folder changed since its scan)"
     assert list(again.train) == list(first.train) and list(again.val) == list(first.val)
     assert again.classes == first.classes == ["class_0", "class_1", "class_2"]
     folder = root / "train" / "class_1"
@@ -407,7 +409,7 @@ def test_a_scan_is_cached_and_used_again_until_a_folder_gains_loses_or_renames_a
         change()
         changed = _found(root)
         assert _source(changed).startswith("scanned"), changed.notes
-        assert list(changed.train) == list(data.scan_dataset(root).train)
+        assert list(changed.train) == list(dataset_lists.scan_dataset(root).train)
         assert _source(_found(root)).startswith("from the cache")
     assert [Path(path).name for path, label in _found(root).train if label == 1] == ["002.JPEG", "zzz.JPEG",
                                                                                        "new.JPEG"]
@@ -418,7 +420,7 @@ def test_a_scan_is_cached_and_used_again_until_a_folder_gains_loses_or_renames_a
 def test_a_cache_that_cannot_be_read_is_scanned_again_and_one_that_cannot_be_written_is_said(tmp_path,
                                                                                                  monkeypatch):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
-    cache = data.cache_file(str(root))
+    cache = dataset_lists.cache_file(str(root))
     _found(root)
     cache.write_bytes(cache.read_bytes()[:100])  # cut short
     assert _source(_found(root)).startswith("scanned, cached in")
@@ -445,7 +447,7 @@ def test_the_written_file_list_gives_the_scans_lists_back(tmp_path):
     lines = listed.read_text().splitlines()
     assert lines[0] == "train/class_0/000.JPEG 0" and "train/class_2/deeper/a name with spaces.png 2" in lines
     assert len(lines) == 3 * 3 + 1 + 3 * 2
-    scanned, read = data.scan_dataset(root), _found(root, "--file-list", str(listed))
+    scanned, read = dataset_lists.scan_dataset(root), _found(root, "--file-list", str(listed))
     assert (list(read.train), list(read.val), read.classes) == (list(scanned.train), list(scanned.val),
                                                                 scanned.classes)
     assert _source(read) == f"from --file-list {listed}"

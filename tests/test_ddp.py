@@ -467,12 +467,12 @@ def test_spawned_workers_fork_their_data_loading_workers(tmp_path, monkeypatch):
 
 def _record_the_lists_each_rank_finds(cfg, ctx):
     """train() for spawn.start: how many scans of DATA this process made, and the lists it got."""
-    from common import data
+    from common import dataset_lists
 
     scans = []
-    scan = data.scan_dataset
-    data.scan_dataset = lambda root: scans.append(root) or scan(root)
-    lists = data.dataset_lists(cfg, ctx)
+    scan = dataset_lists.scan_dataset
+    dataset_lists.scan_dataset = lambda root: scans.append(root) or scan(root)
+    lists = dataset_lists.find_lists(cfg.data, cfg.file_list, ctx)
     Path(os.environ["RECORD_DIR"], f"rank{ctx.rank}.json").write_text(json.dumps(
         {"scans": len(scans), "train": [list(sample) for sample in lists.train], "classes": lists.classes}))
 

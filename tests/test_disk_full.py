@@ -20,7 +20,7 @@ import pytest
 
 import torch
 
-from common import checkpoint, cli, distributed, errors, fit, measure, rundir, telemetry
+from common import checkpoint, cli, distributed, errors, files, fit, measure, rundir, telemetry
 from common.checkpoint import ResumePoint
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
 from conftest import REPO, make_image_folder
@@ -65,7 +65,7 @@ def sizes(folder: Path) -> dict:
 
 def test_an_append_cut_short_by_a_full_disk_is_undone(tmp_path, monkeypatch):
     path = tmp_path / "metrics.csv"
-    rundir.append_rows(path, ["epoch", "loss"], [{"epoch": 0, "loss": 2.5}])
+    files.append_rows(path, ["epoch", "loss"], [{"epoch": 0, "loss": 2.5}])
     before = path.read_bytes()
     real_write = os.write
 
@@ -76,13 +76,13 @@ def test_an_append_cut_short_by_a_full_disk_is_undone(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(OSError):
-        rundir.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.2345678}])
+        files.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.2345678}])
     with pytest.raises(OSError):
-        rundir.append_rows(tmp_path / "io.csv", ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
+        files.append_rows(tmp_path / "io.csv", ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
     monkeypatch.undo()
     assert path.read_bytes() == before  # not a byte of the half row left
     assert not (tmp_path / "io.csv").exists()  # a new file that got nothing whole is not left empty
-    rundir.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
+    files.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
     with open(path, newline="") as handle:
         assert list(csv.DictReader(handle)) == [{"epoch": "0", "loss": "2.5"}, {"epoch": "1", "loss": "1.5"}]
 
@@ -96,7 +96,7 @@ def test_a_rewrite_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_pat
 
     monkeypatch.setattr(csv.DictWriter, "writerows", full)
     with pytest.raises(OSError):
-        rundir.rewrite_rows(path, ["epoch", "split"], [{"epoch": 0, "split": "val"}])
+        files.rewrite_rows(path, ["epoch", "split"], [{"epoch": 0, "split": "val"}])
     assert path.read_text() == "epoch,split\n0,train\n"
     assert sorted(item.name for item in tmp_path.iterdir()) == ["metrics.csv"]
 

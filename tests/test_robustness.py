@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common import data, pipelines
+from common import data, dataset_lists, pipelines
 from common.checkpoint import load
 from common.rundir import CHECKPOINT_NAME, kept_checkpoints
 from conftest import FAST_ARGS, REPO, needs_dali, run_script
@@ -106,8 +106,8 @@ def _expected_bytes(root: Path, split: str, unreadable) -> int:
     """Bytes the split's pass reads: each readable file once, and for each
     unreadable one the next readable file after it in the scan order."""
     class_to_idx = None if split == "train" else {
-        name: index for index, name in enumerate(data.scan_split(root / "train")[0])}
-    _, samples = data.scan_split(root / split, class_to_idx)
+        name: index for index, name in enumerate(dataset_lists.scan_split(root / "train")[0])}
+    _, samples = dataset_lists.scan_split(root / split, class_to_idx)
     paths = [Path(path) for path, _ in samples]
     bad = set(unreadable)
     total = 0
@@ -134,11 +134,11 @@ ODD_ARGS = ["-a", "resnet18", "--image-size", "16", "--val-resize", "16", "-p", 
 
 def test_scan_finds_exactly_the_image_files(odd_data):
     root, files = odd_data
-    classes, train = data.scan_split(root / "train")
+    classes, train = dataset_lists.scan_split(root / "train")
     assert classes == ["class_0", "class_1", "class_2"]
     assert sorted(Path(path) for path, _ in train) == sorted(files["readable"]["train"] +
                                                              files["unreadable"]["train"])
-    _, val = data.scan_split(root / "val", {name: index for index, name in enumerate(classes)})
+    _, val = dataset_lists.scan_split(root / "val", {name: index for index, name in enumerate(classes)})
     assert {target for _, target in val} == {0, 1}
 
 
@@ -151,9 +151,9 @@ def test_the_compact_file_list_holds_the_scan_in_order(odd_data):
     os.symlink(class_0 / "000.JPEG", not_utf8)
     class_to_idx = {f"class_{index}": index for index in range(3)}
     for split in ("train", "val"):
-        _, listed = data.scan_split(root / split, class_to_idx)
+        _, listed = dataset_lists.scan_split(root / split, class_to_idx)
         found = [(path, index) for name, index in class_to_idx.items() if (root / split / name).exists()
-                 for path in data._image_files(root / split / name)]
+                 for path in dataset_lists._image_files(root / split / name)]
         assert list(listed) == found and len(found) > 10
         assert [listed[index] for index in range(-len(found), 0)] == found  # negative indices, as a list's
         if split == "train":
@@ -206,7 +206,7 @@ def test_skip_counts_lists_and_replaces_every_unreadable_image(odd_data, tmp_pat
 
 
 def _first_unreadable_in_order(root: Path, unreadable, batch_size: int, seed: int = 0) -> Path:
-    _, samples = data.scan_split(root / "train")
+    _, samples = dataset_lists.scan_split(root / "train")
     sampler = data.TrainSampler(len(samples), 0, 1, batch_size, seed)
     return next(Path(samples[index][0]) for index in sampler if Path(samples[index][0]) in set(unreadable))
 

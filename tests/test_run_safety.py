@@ -126,7 +126,7 @@ def test_temporaries_of_killed_saves_are_removed_once_the_directory_is_locked(tm
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text("{}")
     leftovers = {".checkpoint-epoch000-images00000008.pth.tar.tmp-4194300": 3_000_000,  # atomic_write's
-                 ".checkpoint.pth.tar.tmp-4194301": 1_500_000,  # a link's copy (_link_atomically)
+                 ".checkpoint.pth.tar.tmp-4194301": 1_500_000,  # a link's copy (files.link_atomically)
                  ".metrics.csv.tmp": 500}  # rewrite_rows'
     others = {".keep": 10, "notes.tmp": 10, "checkpoint-epoch000-images00000004.pth.tar": 10}
     for name, size in {**leftovers, **others}.items():

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from common.files import TEMPORARY_NAME
 from common.tools import scaling
 from common.tools.scaling import Bucket, Gradient, Links, ModelProfile, Settings
 from conftest import REPO
@@ -208,7 +209,7 @@ def test_command_writes_csv_and_figure_and_refuses_to_overwrite(tmp_path):
     again = run(*args)
     assert again.returncode == 2 and out.read_bytes() == before
     assert len(again.stderr.strip().splitlines()) == 1 and "exists" in again.stderr and str(out) in again.stderr
-    assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in out.parent.iterdir() if TEMPORARY_NAME.match(p.name)]  # no temporary file left
 
 
 @pytest.mark.parametrize("args, named", [

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from common import distributed, engine, fit, measure, precision, rundir, schedules, telemetry
+from common import distributed, engine, files, fit, measure, precision, rundir, schedules, telemetry
 from common.data import Sample
 from common.meters import ClassReport, MetricSums
 from conftest import REPO, make_image_folder, run_script
@@ -295,7 +295,7 @@ def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_pat
     """Resuming a run directory written before columns were added: every row must match the header."""
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,split,loss\n0,train,2.5\n")
-    rundir.append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
+    files.append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
                                                                           "macro_f1": 40.0}])
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))

@@ -263,7 +263,7 @@ def warm_page_cache(root: str, images: int, batch_size: int) -> None:
     """Read once the files the first `images` of that order name, which the
     input and end-to-end sections will read, so that no configuration (nor
     repeat) is timed on a colder file cache than another."""
-    from common.data import scan_split
+    from common.dataset_lists import scan_split
 
     _, samples = scan_split(Path(root, "train"))
     for index in list(_same_order(len(samples), batch_size))[:images]:

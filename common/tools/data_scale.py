@@ -83,7 +83,7 @@ def run_seconds(data: Path, logdir: Path, batch_size: int) -> float:
 def list_costs(data: Path) -> List[dict]:
     """The training list of `data`, as FileList and as the list of tuples it
     replaced: its memory, and what a forked reader of every sample copies."""
-    from common.data import scan_split
+    from common.dataset_lists import scan_split
     from common.measure import bytes_a_forked_reader_copies
 
     _, compact = scan_split(data / "train")

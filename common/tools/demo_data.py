@@ -33,6 +33,7 @@ from PIL import Image
 
 from common.arguments import Parser, non_negative_int, positive_int
 from common.errors import UsageError, run_main
+from common.files import temporary_sibling
 
 DIGITS_CLASSES = [f"digit_{index}" for index in range(10)]
 
@@ -51,7 +52,7 @@ def _write_dataset(out: Path, parameters: dict, write: Callable[[Path], Dict[str
             return written["counts"]
         raise UsageError(f"{out}: exists and is not a dataset written with these parameters; "
                          f"choose another folder or remove it")
-    temporary = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    temporary = temporary_sibling(out)
     try:
         counts = write(temporary)
         (temporary / "dataset.json").write_text(json.dumps({"parameters": parameters, "counts": counts}, indent=2))

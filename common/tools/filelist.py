@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 from common.arguments import Parser
-from common.data import scan_dataset
+from common.dataset_lists import scan_dataset, write_text_list
 from common.errors import UsageError, run_main
-from common.dataset_lists import write_text_list
-from common.rundir import atomic_write
+from common.files import atomic_write
 
 
 def build_parser() -> Parser:

@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Sequence
 
 from common.arguments import Parser, positive_float, positive_int
 from common.errors import UsageError, run_main
+from common.files import atomic_write_text
 from common.ports import free_port
 from common.tools import netns, scaling
 
@@ -406,13 +407,14 @@ def write_csv(rows: Sequence[dict], path: Path, overwrite: bool) -> None:
     if path.exists() and not overwrite:
         raise UsageError(f"argument --out: {path}: exists; nothing written (choose another --out, or --overwrite)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "w", newline="") as handle:
+
+    def write(handle) -> None:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for row in rows:
             writer.writerow({key: f"{value:.4g}" if isinstance(value, float) else value for key, value in row.items()})
-    os.replace(temporary, path)
+
+    atomic_write_text(path, write)
 
 
 def build_parser() -> argparse.ArgumentParser:

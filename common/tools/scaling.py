@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,9 +63,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from common.arguments import Parser, non_negative_float, positive_float, positive_int
 from common.config import DDP_COMM_HOOKS as HOOKS
 from common.errors import UsageError, error_summary, run_main
+from common.files import MIB, atomic_write_text
 from common.tools import plots
 
-MIB = 1 << 20
 DDP_DEFAULT_BUCKET_CAP_MB = 25  # torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB
 DDP_FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_GPUS = tuple(2 ** power for power in range(11))  # 1 .. 1024
@@ -604,38 +603,31 @@ def attach_measured(rows: List[dict], measured: Dict[str, Dict[int, float]], hoo
 # --- outputs -------------------------------------------------------------------------------------------------
 
 def write_csv_new(path: Path, rows: Sequence[dict], overwrite: bool) -> None:
-    """Atomically: a temporary file beside it, flushed, then linked into place
-    (which fails if the name exists: nothing already written is replaced
-    unless `overwrite`)."""
+    """Atomically (files.atomic_write_text): a temporary file beside it,
+    flushed, then renamed into place, or, unless `overwrite`, linked into
+    place, which fails if the name exists (another writer in between):
+    nothing already written is replaced."""
+    exists = f"argument --out: {path}: exists; nothing written (choose another --out, or --overwrite)"
     if path.exists() and not overwrite:
-        raise UsageError(f"argument --out: {path}: exists; nothing written (choose another --out, or --overwrite)")
-    temporary = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        raise UsageError(exists)
+
+    def write(handle) -> None:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: (f"{value:.4g}" if isinstance(value, float) and math.isfinite(value)
+                                   else "" if isinstance(value, float) else value) for key, value in row.items()})
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # os.open with mode 0o666: the user's umask decides the permissions, as for any file they write.
-        handle = open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w", newline="")
     except OSError as error:
         raise UsageError(f"argument --out: {path}: cannot write ({error_summary(error)})") from None
     try:
-        with handle:
-            writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({key: (f"{value:.4g}" if isinstance(value, float) and math.isfinite(value)
-                                       else "" if isinstance(value, float) else value) for key, value in row.items()})
-            handle.flush()
-            os.fsync(handle.fileno())
-        if overwrite:
-            os.replace(temporary, path)
-        else:
-            try:
-                os.link(temporary, path)  # atomic, and refuses an existing name (another writer in between)
-            except FileExistsError:
-                raise UsageError(f"argument --out: {path}: exists; nothing written (choose another --out, "
-                                 f"or --overwrite)") from None
-    finally:
-        if temporary.exists():
-            temporary.unlink()
+        atomic_write_text(path, write, overwrite=overwrite)
+    except FileExistsError:
+        raise UsageError(exists) from None
+    except OSError as error:
+        raise UsageError(f"argument --out: {path}: cannot write ({error_summary(error)})") from None
 
 
 def draw_figure(panels: Sequence[Tuple[str, List[dict], Dict[str, Dict[int, float]], str]], path: Path,
