@@ -43,8 +43,11 @@ from common.dataset_lists import DatasetLists, FileList, cache_file, load_cache,
 from common.launch import data_loader_context, data_loader_worker_init
 from common.measure import on_shared_filesystem
 from common.dali import DaliDecoder
-from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
-                              TensorImages, choose_jpeg_decoder, stack_images, train_transform, val_transform)
+from common.device_input import EncodedBatch
+from common.image_files import BadImageError
+from common.jpeg_decoders import JpegDecoder, choose_jpeg_decoder
+from common.pipelines import (DaliImages, EncodedImages, PILImages, TensorImages, stack_images, train_transform,
+                              val_transform)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length

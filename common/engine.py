@@ -36,12 +36,12 @@ from common.checkpoint import Checkpointer, ResumePoint, RunFacts
 from common.comm import CommHook
 from common.config import Config
 from common.data import BadImages, Loaders, derived_seed
+from common.device_input import DeviceInput
 from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
                                 broadcast_from_primary)
 from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
-from common.pipelines import DeviceInput
 from common.preemption import Decision, StopControl, TrainingStopped
 from common.rundir import RunDirectory
 from common.schedules import LRSchedule, set_lr
