@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from common.errors import UsageError, error_summary
-from common.pipelines import EncodedBatch, Geometry, GPUDecodeFallback, stack_images
+from common.device_input import EncodedBatch, GPUDecodeFallback
+from common.pipelines import Geometry, stack_images
 
 DALI_REQUIREMENTS = "requirements-dali.txt"
 DALI_TESTED = "2.4"  # the oldest DALI this backend was run with (requirements-dali.txt)

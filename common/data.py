@@ -38,8 +38,11 @@ from common.errors import UsageError
 from common.dataset_lists import FileList, find_lists
 from common.process_signals import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
-from common.pipelines import (BadImageError, DaliImages, EncodedBatch, EncodedImages, JpegDecoder, PILImages,
-                              TensorImages, choose_jpeg_decoder, stack_images, train_transform, val_transform)
+from common.device_input import EncodedBatch
+from common.image_files import BadImageError
+from common.jpeg_decoders import JpegDecoder, choose_jpeg_decoder
+from common.pipelines import (DaliImages, EncodedImages, PILImages, TensorImages, stack_images, train_transform,
+                              val_transform)
 
 IMAGENET_TRAIN_IMAGES = 1_281_167  # ImageNet-1k, so --synthetic epochs have its length
 SYNTHETIC_CLASSES = 1000

@@ -34,11 +34,11 @@ from torch.optim import Optimizer
 from common import measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint
 from common.data import BadImages, Loaders, derived_seed
+from common.device_input import DeviceInput
 from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
 from common.errors import one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
-from common.pipelines import DeviceInput
 from common.preemption import Decision, StopControl
 from common.schedules import LRSchedule, set_lr
 from common.telemetry import RunLog

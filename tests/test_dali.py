@@ -19,9 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from common import cli, data, dali, pipelines
+from common import cli, dali, data, device_input, image_files
 from common.distributed import single_process
-from common.pipelines import DaliImages, EncodedBatch, Geometry, TensorImages
+from common.device_input import EncodedBatch
+from common.pipelines import DaliImages, Geometry, TensorImages
 from common.rundir import CHECKPOINT_NAME
 from common.tools.demo_data import write_fake_imagenet
 from conftest import REPO, make_image_folder, needs_dali, run_script
@@ -202,8 +203,8 @@ def test_a_file_dali_refuses_costs_one_warning_and_a_cpu_decode_not_the_run(tmp_
         healthy = encoded_batch([str(path) for path in files], pipeline).decode(torch.device("cpu"), decoder)
     refused = encoded_batch([str(files[0]), str(bad)], pipeline)
     assert refused.is_jpeg == [True, True]  # nothing the workers could see
-    with pytest.warns(pipelines.GPUDecodeFallback, match="DALI refused a batch"), \
-            pytest.raises(pipelines.BadImageError, match=r"bad\.JPEG: cannot decode image .*too late for --bad-imag"):
+    with pytest.warns(device_input.GPUDecodeFallback, match="DALI refused a batch"), \
+            pytest.raises(image_files.BadImageError, match=r"bad\.JPEG: cannot decode image .*too late for --bad-imag"):
         refused.decode(torch.device("cpu"), decoder)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a new pipeline, and no second warning
@@ -212,7 +213,7 @@ def test_a_file_dali_refuses_costs_one_warning_and_a_cpu_decode_not_the_run(tmp_
     # Batch after batch refused is DALI failing here, not a file: the run stops, naming the backend.
     only_damaged = encoded_batch([str(bad)], DaliImages(True, 16), seed=5)
     for _ in range(dali.MAX_REFUSED_IN_A_ROW - 1):
-        with warnings.catch_warnings(), pytest.raises(pipelines.BadImageError):
+        with warnings.catch_warnings(), pytest.raises(image_files.BadImageError):
             warnings.simplefilter("ignore")
             only_damaged.decode(torch.device("cpu"), decoder)
     with pytest.raises(dali.DaliFailing, match=f"^argument --data-backend: DALI refused "
@@ -301,7 +302,7 @@ def test_two_processes_train_with_dali_and_a_mid_epoch_resume_equals_the_whole_r
 def test_the_gpu_decodes_the_cpu_decoders_crops_within_a_few_gray_levels(jpegs):
     batch = encoded_batch(jpegs, DaliImages(True, 224))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", pipelines.GPUDecodeFallback)  # DALI's GPU decode, not the CPU's stand-in
+        warnings.simplefilter("error", device_input.GPUDecodeFallback)  # DALI's GPU decode, not the CPU's stand-in
         on_gpu = batch.decode(torch.device("cuda"),
                               dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4, libjpeg_chroma=True))
     on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), 224, len(jpegs), 2))

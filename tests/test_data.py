@@ -16,7 +16,7 @@ from common.cli import parse
 from common.errors import UsageError
 from common.data import ShardSampler, build_loaders
 from common.dataset_lists import scan_split
-from common.pipelines import BadImageError, read_rgb
+from common.image_files import BadImageError, read_rgb
 from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
 from conftest import FAST_ARGS, make_image_folder

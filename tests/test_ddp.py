@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import engine, models, pipelines
+from common import device_input, engine, models, pipelines
 from common.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from common.rundir import CHECKPOINT_NAME
 from conftest import REPO, free_port, make_image_folder, run_script, running
@@ -214,7 +214,7 @@ def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     confusion = np.zeros((len(classes), len(classes)), dtype=np.int64)
     for path in sorted(val_dir.rglob("*.JPEG")):
         with torch.no_grad():
-            image = pipelines.normalize(validation_images(str(path))[0])
+            image = device_input.normalize(validation_images(str(path))[0])
             predicted = model(image.unsqueeze(0)).argmax().item()
         confusion[classes.index(path.parent.name), predicted] += 1
     return confusion

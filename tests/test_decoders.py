@@ -18,8 +18,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import imagenet_nd
-from common import pipelines
-from common.pipelines import JpegDecoder, TensorImages
+from common import jpeg_decoders, pipelines
+from common.jpeg_decoders import JpegDecoder
+from common.pipelines import TensorImages
 from common.tools.demo_data import write_fake_imagenet
 from conftest import make_image_folder
 from test_pipelines import JPEG_VARIANTS as HEADER_VARIANTS, _jpeg
@@ -38,7 +39,7 @@ def decoder(name: str) -> JpegDecoder:
     try:
         version = importlib.import_module(name).__version__
     except ImportError:
-        pytest.skip(f"{name} is not installed (optional: {pipelines.TORCHCODEC_INSTALL})")
+        pytest.skip(f"{name} is not installed (optional: {jpeg_decoders.TORCHCODEC_INSTALL})")
     chosen = JpegDecoder(name, version)
     try:
         chosen.decode(torch.frombuffer(bytearray(_jpeg("RGB")), dtype=torch.uint8))
@@ -49,7 +50,7 @@ def decoder(name: str) -> JpegDecoder:
 
 def _turned(orientation: int) -> bytes:
     exif = Image.Exif()
-    exif[pipelines.EXIF_ORIENTATION] = orientation
+    exif[jpeg_decoders.EXIF_ORIENTATION] = orientation
     return _jpeg("RGB", size=(64, 40), exif=exif.tobytes())
 
 
@@ -97,9 +98,9 @@ def test_the_decoder_is_chosen_best_first_and_says_why_it_passed_one_over(monkey
     beside this torch, and a torchvision without its image extension are
     passed over, each with its reason in the header's one line."""
     monkeypatch.setitem(sys.modules, "torchcodec", None)  # not installed
-    chosen = pipelines.choose_jpeg_decoder()
+    chosen = jpeg_decoders.choose_jpeg_decoder()
     assert (chosen.name, chosen.version) == ("torchvision", importlib.import_module("torchvision").__version__)
-    assert chosen.passed_over == (f"torchcodec: not installed, {pipelines.TORCHCODEC_INSTALL}",)
+    assert chosen.passed_over == (f"torchcodec: not installed, {jpeg_decoders.TORCHCODEC_INSTALL}",)
     assert chosen.describe().startswith(f"JPEG decoding: torchvision.io {chosen.version} (deprecated since "
                                         f"torchvision 0.29 in favour of TorchCodec; torchcodec: not installed")
 
@@ -114,14 +115,14 @@ def test_the_decoder_is_chosen_best_first_and_says_why_it_passed_one_over(monkey
     monkeypatch.setitem(sys.modules, "torchcodec", broken)
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", broken_decoders)
     undefined_symbol = "torchcodec: libtorchcodec_core7.so: undefined symbol: _ZN3c10"  # the first line only
-    assert pipelines.choose_jpeg_decoder().passed_over == (undefined_symbol,)
+    assert jpeg_decoders.choose_jpeg_decoder().passed_over == (undefined_symbol,)
 
     no_extension = types.ModuleType("torchvision.io")
     no_extension.ImageReadMode = types.SimpleNamespace(RGB="RGB")
     no_extension.decode_jpeg = lambda *args, **kwargs: (_ for _ in ()).throw(
         RuntimeError("Couldn't load the image extension."))
     monkeypatch.setitem(sys.modules, "torchvision.io", no_extension)
-    chosen = pipelines.choose_jpeg_decoder()
+    chosen = jpeg_decoders.choose_jpeg_decoder()
     assert chosen == JpegDecoder("pillow", PIL.__version__,
                                  (undefined_symbol, "torchvision: Couldn't load the image extension."))
     assert not chosen.makes_tensors
@@ -188,7 +189,7 @@ def test_large_images_are_counted_and_one_named_once_and_the_decoder_is_in_the_h
     assert notes[1] == note(1, "val epoch 0", large[2])
     assert not [warning for warning in recwarn if issubclass(warning.category, Image.DecompressionBombWarning)]
 
-    chosen = pipelines.choose_jpeg_decoder()
+    chosen = jpeg_decoders.choose_jpeg_decoder()
     assert [line for line in lines if line.startswith("JPEG decoding: ")] == [chosen.describe()]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "config.json").read_text())["resolved"]["jpeg_decoder"] == {

@@ -95,7 +95,7 @@ def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path,
     decodes every batch (no fallback to one file at a time)."""
     import torch
 
-    from common import data, pipelines
+    from common import data, device_input, pipelines
     from common.tools.demo_data import write_fake_imagenet
 
     root = tmp_path / "fake"
@@ -110,10 +110,10 @@ def test_the_prefetcher_and_the_gpu_decoder_give_the_cpu_paths_numbers(tmp_path,
             torch.manual_seed(seed)
             references.append(pipelines.TensorImages(True, 128, reduced_decode=False)(path)[0])
         batches.append(data.collate(samples))
-        expected.append(pipelines.normalize(torch.stack(references)))
+        expected.append(device_input.normalize(torch.stack(references)))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", pipelines.GPUDecodeFallback)  # nvJPEG decoded every batch itself
-        finished = list(pipelines.DeviceInput(torch.device("cuda"), channels_last)(batches))
+        warnings.simplefilter("error", device_input.GPUDecodeFallback)  # nvJPEG decoded every batch itself
+        finished = list(device_input.DeviceInput(torch.device("cuda"), channels_last)(batches))
     torch.cuda.synchronize()
     assert len(finished) == len(expected) == 3
     levels = torch.tensor(pipelines.IMAGENET_STD, device="cuda").reshape(1, 3, 1, 1) * 255

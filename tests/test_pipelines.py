@@ -15,10 +15,12 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from common import cli, data, engine, models, pipelines, precision
+from common import cli, data, device_input, engine, image_files, jpeg_decoders, models, pipelines, precision
 from common.tools.demo_data import write_fake_imagenet
 from common.distributed import single_process
-from common.pipelines import BadImageError, DeviceInput, EncodedImages, PILImages, TensorImages
+from common.device_input import DeviceInput
+from common.image_files import BadImageError
+from common.pipelines import EncodedImages, PILImages, TensorImages
 from conftest import make_image_folder, run_script
 
 STD_255 = torch.tensor(pipelines.IMAGENET_STD).reshape(3, 1, 1) * 255.0  # normalised units -> gray levels
@@ -43,7 +45,7 @@ def jpegs(tmp_path_factory) -> list:
 
 def gray_levels(reference: torch.Tensor, fast_uint8: torch.Tensor) -> torch.Tensor:
     """|reference - fast| per pixel, in 0..255 gray levels."""
-    return ((reference - pipelines.normalize(fast_uint8)) * STD_255).abs()
+    return ((reference - device_input.normalize(fast_uint8)) * STD_255).abs()
 
 
 def both(path: str, reference, fast, seed: int):
@@ -113,7 +115,7 @@ def test_the_gpu_backend_decodes_in_the_main_process_to_the_same_images(jpegs):
         torch.manual_seed(seed)
         expected.append(fast(path)[0])
     batch = data.collate(samples)
-    assert isinstance(batch.image, pipelines.EncodedBatch) and batch.file_bytes.tolist() == [
+    assert isinstance(batch.image, device_input.EncodedBatch) and batch.file_bytes.tolist() == [
         Path(path).stat().st_size for path in jpegs]
     assert batch.image.is_jpeg.count(False) == 2  # the PNG and the CMYK JPEG are finished in the worker
     assert batch.image.data.numel() == sum(batch.image.lengths)  # the JPEGs' bytes in one tensor
@@ -280,15 +282,15 @@ def test_a_batch_the_device_decoder_refuses_is_decoded_file_by_file_with_a_warni
     Image.fromarray(np.full((16, 24, 3), 200, np.uint8)).save(buffer, format="JPEG")
     good, bad = buffer.getvalue(), b"\xff\xd8\xff\xe0" + bytes(200)
     files = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in (good, good)]
-    decoder = pipelines.choose_jpeg_decoder()
+    decoder = jpeg_decoders.choose_jpeg_decoder()
     with warnings.catch_warnings():
-        warnings.simplefilter("error", pipelines.GPUDecodeFallback)
-        decoded = pipelines._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+        warnings.simplefilter("error", device_input.GPUDecodeFallback)
+        decoded = device_input._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
     assert [tuple(image.shape) for image in decoded] == [(3, 16, 24)] * 2
     files[1] = torch.frombuffer(bytearray(bad), dtype=torch.uint8)
-    with pytest.warns(pipelines.GPUDecodeFallback, match="refused a batch"), \
-            pytest.raises(pipelines.BadImageError, match=r"^b\.jpg: cannot decode image .*too late for --bad-images"):
-        pipelines._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
+    with pytest.warns(device_input.GPUDecodeFallback, match="refused a batch"), \
+            pytest.raises(image_files.BadImageError, match=r"^b\.jpg: cannot decode image .*too late for --bad-images"):
+        device_input._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
 
 
 def _jpeg(mode: str, size=(37, 23), **options) -> bytes:
@@ -311,10 +313,10 @@ JPEG_VARIANTS = {
 def test_the_jpeg_header_is_read_as_pillow_reads_it(variant):
     encoded = JPEG_VARIANTS[variant]
     with Image.open(io.BytesIO(encoded)) as image:
-        assert pipelines.jpeg_header(encoded) == (*image.size, image.mode, "exif" in image.info)
+        assert jpeg_decoders.jpeg_header(encoded) == (*image.size, image.mode, "exif" in image.info)
     # A fill byte before a marker is allowed; bytes that are no marker end the walk.
-    assert pipelines.jpeg_header(encoded[:2] + b"\xff" + encoded[2:]) == pipelines.jpeg_header(encoded)
-    assert pipelines.jpeg_header(encoded[:2] + b"\x00" + encoded[2:]) is None
+    assert jpeg_decoders.jpeg_header(encoded[:2] + b"\xff" + encoded[2:]) == jpeg_decoders.jpeg_header(encoded)
+    assert jpeg_decoders.jpeg_header(encoded[:2] + b"\x00" + encoded[2:]) is None
 
 
 @hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
@@ -324,7 +326,7 @@ def test_the_jpeg_header_of_any_truncated_or_damaged_file_is_the_header_or_none(
     the right header when its frame header is whole, else as None (then
     Pillow decides about the file)."""
     whole = JPEG_VARIANTS["exif and icc"]
-    header = pipelines.jpeg_header(whole[:cut] + tail)
+    header = jpeg_decoders.jpeg_header(whole[:cut] + tail)
     frame = whole.index(b"\xff\xc0")  # the frame header ends 10 bytes after its marker
     if cut >= frame + 10:
         assert header == (37, 23, "RGB", True)

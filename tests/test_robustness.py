@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from common import data, dataset_lists, pipelines
+from common import data, dataset_lists, image_files
 from common.checkpoint import load
 from common.rundir import CHECKPOINT_NAME, kept_checkpoints
 from conftest import FAST_ARGS, REPO, needs_dali, run_script
@@ -163,7 +163,7 @@ def test_the_compact_file_list_holds_the_scan_in_order(odd_data):
 def test_every_readable_oddity_decodes_to_its_colour(odd_data):
     root, files = odd_data
     for path in files["readable"]["train"]:
-        image, file_bytes = pipelines.read_rgb(str(path))
+        image, file_bytes = image_files.read_rgb(str(path))
         assert image.mode == "RGB" and file_bytes == path.stat().st_size
         if path.name.endswith("16bit.png"):  # 16-bit values are scaled, not clipped to white
             label = int(path.parent.name[-1])

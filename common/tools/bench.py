@@ -296,7 +296,7 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
     import torch
 
     from common import cli, data, distributed
-    from common.pipelines import DeviceInput
+    from common.device_input import DeviceInput
 
     dali = None  # --data-backend dali's decoder, which finishes its batches on the device
     if backend == "reference":

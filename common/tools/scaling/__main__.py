@@ -1,0 +1,6 @@
+"""python -m common.tools.scaling: the scaling model's command (common.tools.scaling.command_line)."""
+from common.errors import run_main
+from common.tools.scaling.command_line import main
+
+if __name__ == "__main__":
+    run_main(main)
