@@ -70,17 +70,17 @@ def test_the_loss_guard_on_the_gpu_reads_its_flag_one_step_late_and_names_the_ba
     import torch
 
     from common.distributed import single_process
-    from common.engine import LossGuard, _NonFinite
+    from common.engine import LossGuard, NonFiniteLoss
 
     guard = LossGuard(single_process("cuda"))
     good, bad = torch.tensor(1.0, device="cuda"), torch.tensor(float("inf"), device="cuda")
     assert guard.allows_update(good, epoch=0, step=0, lr=0.1)
     assert guard.allows_update(bad, epoch=0, step=1, lr=0.1)  # noticed one step later, or at settle()
-    with pytest.raises(_NonFinite, match=r"epoch 0 step 1: the training loss is inf on 1 of 1 process\(es\)"):
+    with pytest.raises(NonFiniteLoss, match=r"epoch 0 step 1: the training loss is inf on 1 of 1 process\(es\)"):
         guard.allows_update(good, epoch=0, step=2, lr=0.1)
     tolerant = LossGuard(single_process("cuda"), tolerance=1)
     assert not tolerant.allows_update(torch.tensor(float("nan"), device="cuda"), epoch=0, step=0, lr=0.1)
-    with pytest.raises(_NonFinite, match="NaN on 1 of 1"):
+    with pytest.raises(NonFiniteLoss, match="NaN on 1 of 1"):
         tolerant.allows_update(torch.tensor(float("nan"), device="cuda"), epoch=0, step=1, lr=0.1)
 
 

@@ -372,12 +372,12 @@ def test_a_nan_in_the_last_step_of_an_epoch_stops_before_validation_and_its_chec
 
 def test_the_loss_guard_in_one_process():
     from common.distributed import single_process
-    from common.engine import LossGuard, _NonFinite
+    from common.engine import LossGuard, NonFiniteLoss
 
     guard = LossGuard(single_process("cpu"))
     assert guard.allows_update(torch.tensor(1.0), epoch=0, step=0, lr=0.1)
     assert guard.allows_update(torch.tensor(float("inf")), epoch=0, step=1, lr=0.1)  # seen one step later
-    with pytest.raises(_NonFinite, match=r"^epoch 0 step 1: the training loss is inf on 1 of 1 process\(es\) \(lr 0.1\)$"):
+    with pytest.raises(NonFiniteLoss, match=r"^epoch 0 step 1: the training loss is inf on 1 of 1 process\(es\) \(lr 0.1\)$"):
         guard.settle()
     guard.settle()  # nothing pending any more
 
@@ -393,7 +393,7 @@ def test_the_loss_guard_in_one_process():
     tolerant.check_weights(model, "here")
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
-    with pytest.raises(_NonFinite, match="^here: 1 weight or buffer tensor"):
+    with pytest.raises(NonFiniteLoss, match="^here: 1 weight or buffer tensor"):
         tolerant.check_weights(model, "here")
 
 
