@@ -24,6 +24,7 @@ from typing import Mapping, Optional, Tuple
 
 from common.config import Config
 from common.errors import UsageError
+from common.ports import free_port
 
 SLURM_PORT_BASE = 10000  # srun jobs meet on SLURM_PORT_BASE + job id % SLURM_PORT_SPAN, unless --dist-url says
 SLURM_PORT_SPAN = 20000  # ... which keeps derived ports below Linux's ephemeral range (32768 and up)
@@ -78,13 +79,6 @@ def tcp_address(url: str) -> tuple:
     if not match or not 0 < int(match.group(2)) < 65536:
         raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT (the address of node 0), got {url!r}")
     return match.group(1).strip("[]"), int(match.group(2))
-
-
-def free_local_port() -> int:
-    """A TCP port on this machine that nothing listens on (the OS picks it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _environment_int(environ: Mapping[str, str], name: str) -> int:
@@ -224,7 +218,7 @@ def _spawn_launch(cfg: Config, gpus_visible: int) -> Launch:
         tcp_address(cfg.dist_url)  # checks the form
         init_method = cfg.dist_url
     else:
-        init_method = f"tcp://127.0.0.1:{free_local_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     return Launch(launcher="spawn", init_method=init_method, world_size=nodes * procs_per_node, nodes=nodes,
                   node_rank=node_rank, procs_per_node=procs_per_node)
 

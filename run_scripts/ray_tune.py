@@ -9,10 +9,10 @@
 uniform:LOW:HIGH, randint:LOW:HIGH (HIGH excluded), choice:A,B,... (drawn) or grid:A,B,...
 (every value, --num-samples times). Each trial runs the script through Ray Train with
 --workers-per-trial workers, in its own run directory (--run-name <search>-<trial>) with its
-config.json and metrics.csv, so common.results and common.plots read the trials as any runs.
-Every epoch reports its metrics to Tune; --scheduler asha stops the trials whose --metric lags
-at each rung (epochs --grace-epochs x --reduction-factor^k). At the end a table of the trials
-(CSV, one row per trial) and the best trial's command line to run it again.
+config.json and metrics.csv, so common.tools.results and common.tools.plots read the trials as
+any runs. Every epoch reports its metrics to Tune; --scheduler asha stops the trials whose
+--metric lags at each rung (epochs --grace-epochs x --reduction-factor^k). At the end a table
+of the trials (CSV, one row per trial) and the best trial's command line to run it again.
 """
 from __future__ import annotations
 

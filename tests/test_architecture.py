@@ -8,7 +8,6 @@ saying why."""
 from __future__ import annotations
 
 import ast
-import importlib
 import os
 import re
 import subprocess
@@ -28,7 +27,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 TABLE_ROW = re.compile(r"^\| `common/([\w/]+?)(\.py|/)` \|", re.MULTILINE)
 # Only the entry scripts and the tools import the command line; and the Ray launchers' driver, which checks
 # the training command with the script's own parser before Ray starts.
-CLI_IMPORTERS = {"common.tools.bench", "common.ray_cluster"}
+CLI_IMPORTERS = {"common.tools.bench.measurements", "common.ray_cluster"}
 # The command line and what it imports: no torch (seconds and hundreds of MiB), so that --help and a mistake's
 # one line come at once. They import only each other at module level (a function may import more, when it runs).
 TORCH_FREE = {"common.errors", "common.config", "common.arguments", "common.architectures", "common.launcher",
@@ -41,9 +40,8 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(path): path for path in sorted(COMMON.rglob("*.py"))}
-PACKAGES = {"common", "common.tools"}  # their __init__ imports nothing: importing from them is importing a module
-# The old paths of the tools (common.bench, ...) are aliases that replace themselves by common.tools.*.
-ALIASES = {name for name, path in MODULES.items() if "sys.modules[__name__] = _tool" in path.read_text()}
+# Their __init__ imports nothing: importing from them is importing a module.
+PACKAGES = {"common", "common.tools", "common.tools.bench"}
 
 
 def imports_of(path: Path) -> set:
@@ -68,15 +66,13 @@ GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
 def floors(table: str) -> dict:
     """Each module of common/ -> the row of docs/architecture.md's module
     table it is listed in, counted from 0, the bottom floor. A folder's row
-    holds every module under it; the tools' old paths (ALIASES) stand in the
-    tools' row."""
+    holds every module under it."""
     floor = {}
     for row, (name, kind) in enumerate(TABLE_ROW.findall(table)):
         module = "common." + name.strip("/").replace("/", ".")
         floor[module] = row
         if kind == "/":
             floor.update({inside: row for inside in MODULES if inside.startswith(module + ".")})
-            floor.update({alias: row for alias in ALIASES if module == "common.tools"})
     return floor
 
 
@@ -243,18 +239,14 @@ def test_only_scripts_and_tools_import_the_command_line():
 
 def test_tools_import_only_the_bottom_layer_and_each_other():
     tools = {name for name in MODULES if name.startswith("common.tools.")}
-    # bench (and its data_scale section, and comm_bench, the processes of its comm and scaling sections) runs the
-    # training stack it measures; filelist writes what the training scripts' scan finds
-    for name in tools - {"common.tools.bench", "common.tools.data_scale", "common.tools.comm_bench",
-                         "common.tools.filelist"}:
+    # bench's sections, the processes it measures in (measurements; comm_bench, those of its comm and scaling
+    # sections) and its data_scale section run the training stack it measures; filelist writes what the training
+    # scripts' scan finds. The rest of bench (its command, report, FLOPs, GPU monitor, ...) is held to the rule.
+    for name in tools - {"common.tools.bench.sections", "common.tools.bench.measurements",
+                         "common.tools.bench.data_scale", "common.tools.bench.comm_bench", "common.tools.filelist"}:
         assert GRAPH[name] <= BOTTOM | tools, (name, GRAPH[name] - BOTTOM - tools)
-    for name in set(MODULES) - tools - ALIASES - {"common.tools"}:
+    for name in set(MODULES) - tools - {"common.tools"}:
         assert not GRAPH[name] & tools, (name, GRAPH[name] & tools)  # training never needs the tools
-
-
-def test_old_tool_paths_are_the_new_modules():
-    for alias in sorted(ALIASES):
-        assert importlib.import_module(alias) is importlib.import_module(alias.replace("common.", "common.tools."))
 
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",

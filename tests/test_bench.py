@@ -14,7 +14,10 @@ import sys
 import pytest
 
 from common.errors import UsageError
-from common.tools import bench
+from common.tools.bench import cli, flops, processes, repeats, report, sections, targets
+from common.tools.bench.gpu_monitor import GpuMonitor, GpuSample, gpu_state, gpus_to_sample, parse_gpu_sample
+from common.tools.bench.settings import Settings
+from common.tools.scaling import bus_bandwidth
 from conftest import cpu_has_native_bf16, make_image_folder, run_command
 
 NUMBERS = ("images_per_second", "ms_per_step", "peak_memory_mib")
@@ -28,7 +31,7 @@ def json_rows(stdout: str) -> list:
 def check_rows(rows: list, csv_path) -> None:
     """Every field in order; figures in every row but those of a half type this CPU emulates, which say so."""
     for row in rows:
-        assert tuple(row) == bench.FIELDS  # every field, in order
+        assert tuple(row) == report.FIELDS  # every field, in order
         if row["note"].endswith("skipped (--measure-emulated times it)"):
             assert all(row[field] == "" for field in NUMBERS), row
         else:
@@ -43,29 +46,29 @@ def check_rows(rows: list, csv_path) -> None:
         [row["images_per_second"] for row in rows]
 
 
-def settings(**changes) -> bench.Settings:
-    return dataclasses.replace(bench.Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32,
-                                              warmup_steps=1, steps=1, workers=[1], data=None, input_batches=2),
+def settings(**changes) -> Settings:
+    return dataclasses.replace(Settings(device="cpu", arch="resnet18", batch_size=4, image_size=32,
+                                        warmup_steps=1, steps=1, workers=[1], data=None, input_batches=2),
                                **changes)
 
 
 def test_record_has_every_field_and_refuses_unknown_ones():
-    row = bench.record(section="train", config="nd", images_per_second=1.0)
-    assert tuple(row) == bench.FIELDS and row["ms_per_step"] == ""
+    row = report.record(section="train", config="nd", images_per_second=1.0)
+    assert tuple(row) == report.FIELDS and row["ms_per_step"] == ""
     with pytest.raises(ValueError):
-        bench.record(images_per_sec=1.0)
+        report.record(images_per_sec=1.0)
 
 
 def test_ratios_are_the_configurations_quotients_against_their_targets():
-    rows = [bench.record(section="train", config="reference", images_per_second=10.0),
-            bench.record(section="train", config="nd", images_per_second=12.0),
-            bench.record(section="train", config="ddp_apex O2 channels_last", images_per_second=21.0),
-            bench.record(section="input", config="reference", workers=1, images_per_second_per_worker=100.0),
-            bench.record(section="input", config="reference", workers=2, images_per_second_per_worker=90.0),
-            bench.record(section="input", config="torchvision", workers=2, images_per_second_per_worker=150.0),
-            bench.record(section="end-to-end", config="nd", data_backend="synthetic", images_per_second=12.5),
-            bench.record(section="end-to-end", config="nd", data_backend="torchvision", images_per_second=6.0)]
-    lines = bench.ratios(rows)
+    rows = [report.record(section="train", config="reference", images_per_second=10.0),
+            report.record(section="train", config="nd", images_per_second=12.0),
+            report.record(section="train", config="ddp_apex O2 channels_last", images_per_second=21.0),
+            report.record(section="input", config="reference", workers=1, images_per_second_per_worker=100.0),
+            report.record(section="input", config="reference", workers=2, images_per_second_per_worker=90.0),
+            report.record(section="input", config="torchvision", workers=2, images_per_second_per_worker=150.0),
+            report.record(section="end-to-end", config="nd", data_backend="synthetic", images_per_second=12.5),
+            report.record(section="end-to-end", config="nd", data_backend="torchvision", images_per_second=6.0)]
+    lines = targets.ratios(rows)
     assert lines[0].startswith("train: fp32 (imagenet_nd.py) over the reference loop: 1.20x") and "met)" in lines[0]
     assert ": 2.10x" in lines[1] and "NOT met" in lines[1]
     assert ": 1.50x" in lines[2] and "NOT met" in lines[2]  # the best per-worker figure of each: 150 / 100
@@ -73,29 +76,29 @@ def test_ratios_are_the_configurations_quotients_against_their_targets():
     assert lines[3] == ("end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: 0.48 "
                         "(1.00 = not input-bound)")
     # A CSV from before the end-to-end section had its synthetic row: the train section's (6 / 12).
-    assert bench.ratios(rows[:6] + rows[7:])[3].endswith("nd: 0.50 (1.00 = not input-bound)")
+    assert targets.ratios(rows[:6] + rows[7:])[3].endswith("nd: 0.50 (1.00 = not input-bound)")
 
 
 def gpu_rows(spread: float = 3.0, dali: float = 3900.0, **dali_fields) -> list:
     gpu = dict(cuda="13.0")
     config = "ddp_apex O2 channels_last"
-    return [bench.record(section="train", config="reference", images_per_second=1800.0, **gpu),
-            bench.record(section="train", config=config, images_per_second=4100.0, repeats=3,
-                         spread_percent=spread, mfu_percent=10.07, **gpu),
-            bench.record(section="input", config="torchvision", workers=6, images_per_second=1550.0, **gpu),
-            bench.record(section="input", config="torchvision", workers=12, images_per_second=2870.0, **gpu),
-            bench.record(section="input", config="gpu", workers=12, images_per_second=3485.0, **gpu),
-            bench.record(section="end-to-end", config=config, data_backend="synthetic", images_per_second=4000.0,
-                         **gpu),
-            bench.record(section="end-to-end", config=config, data_backend="torchvision", images_per_second=2600.0,
-                         **gpu),
-            bench.record(section="end-to-end", config=config, data_backend="gpu", images_per_second=3400.0, **gpu),
-            bench.record(section="end-to-end", config=config, data_backend="dali", images_per_second=dali,
-                         **dict(gpu, **dali_fields))]
+    return [report.record(section="train", config="reference", images_per_second=1800.0, **gpu),
+            report.record(section="train", config=config, images_per_second=4100.0, repeats=3,
+                          spread_percent=spread, mfu_percent=10.07, **gpu),
+            report.record(section="input", config="torchvision", workers=6, images_per_second=1550.0, **gpu),
+            report.record(section="input", config="torchvision", workers=12, images_per_second=2870.0, **gpu),
+            report.record(section="input", config="gpu", workers=12, images_per_second=3485.0, **gpu),
+            report.record(section="end-to-end", config=config, data_backend="synthetic", images_per_second=4000.0,
+                          **gpu),
+            report.record(section="end-to-end", config=config, data_backend="torchvision", images_per_second=2600.0,
+                          **gpu),
+            report.record(section="end-to-end", config=config, data_backend="gpu", images_per_second=3400.0, **gpu),
+            report.record(section="end-to-end", config=config, data_backend="dali", images_per_second=dali,
+                          **dict(gpu, **dali_fields))]
 
 
 def test_gpu_ratios_state_each_target_met_or_not():
-    assert bench.ratios(gpu_rows()) == [
+    assert targets.ratios(gpu_rows()) == [
         "train: ResNet-50 AMP + channels-last, images/s on synthetic data (one H100): 4100 (median of 3, MFU 10.1%; "
         "target >= 4000, aim 5000: met)",
         "train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 3.0% (target <= 5%: met)",
@@ -109,10 +112,10 @@ def test_gpu_ratios_state_each_target_met_or_not():
         "(1.00 = not input-bound)",
         "end-to-end: real JPEGs with --data-backend dali over synthetic data, ddp_apex O2 channels_last: 0.97 "
         "(1.00 = not input-bound) (target >= 0.95 on the GPU: met)"]
-    missed = bench.ratios(gpu_rows(spread=6.2, dali=3700.0))
+    missed = targets.ratios(gpu_rows(spread=6.2, dali=3700.0))
     assert "train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 6.2% (target <= 5%: NOT met)" in missed
     assert missed[-1].endswith(": 0.93 (1.00 = not input-bound) (target >= 0.95 on the GPU: NOT met)")
-    absent = bench.ratios(gpu_rows(dali="", note=bench.DALI_MISSING))
+    absent = targets.ratios(gpu_rows(dali="", note=sections.DALI_MISSING))
     assert absent[-1] == ("end-to-end: ddp_apex O2 channels_last with --data-backend dali: not measured (not "
                           "installed: pip install -r requirements-dali.txt)")
 
@@ -129,8 +132,8 @@ def test_repeats_alternate_the_configurations_and_rows_report_median_and_spread(
         return {"images_per_second": speed, "ms_per_step": 1000.0 / speed, "peak_memory_mib": float(next(memory)),
                 "images_per_second_per_worker": speed, "process": len(calls), "gpu_readings": None}
 
-    monkeypatch.setattr(bench, "run_child", measured)
-    rows = bench.input_section(settings(data=str(root), input_repeats=3), str(root))
+    monkeypatch.setattr(sections, "run_child", measured)
+    rows = sections.input_section(settings(data=str(root), input_repeats=3), str(root))
     assert calls == ["reference", "pil", "torchvision"] * 3  # round after round, not one configuration's three
     summary = [(row["config"], row["images_per_second"], row["images_per_second_min"], row["images_per_second_max"],
                 row["spread_percent"], row["repeats"], row["peak_memory_mib"]) for row in rows]
@@ -148,9 +151,9 @@ def _fake_measurements(monkeypatch, images_per_second: float = 10.0) -> list:
     asked = []
     figures = {"images_per_second": images_per_second, "ms_per_step": 1.0, "peak_memory_mib": 1.0,
                "images_per_second_per_worker": images_per_second}
-    monkeypatch.setattr(bench, "run_child", lambda spec, *args: asked.append(spec.get("backend", spec["kind"])) or
+    monkeypatch.setattr(sections, "run_child", lambda spec, *args: asked.append(spec.get("backend", spec["kind"])) or
                         figures)
-    monkeypatch.setattr(bench, "run_script", lambda script, flags, *args, **kwargs: asked.append(
+    monkeypatch.setattr(sections, "run_script", lambda script, flags, *args, **kwargs: asked.append(
         " ".join([script] + flags)) or dict(figures, precision="fp32", memory_format="contiguous",
                                             measured_steps=1, warmup_steps=1))
     return asked
@@ -158,18 +161,18 @@ def _fake_measurements(monkeypatch, images_per_second: float = 10.0) -> list:
 
 def test_a_configuration_that_fails_gets_a_row_saying_why_and_the_others_go_on(tmp_path, monkeypatch):
     asked = _fake_measurements(monkeypatch)
-    real = bench.run_script
+    real = sections.run_script
 
     def failing(script, flags, *args, **kwargs):
         if "--memory-format" in flags:
-            raise bench.ChildFailed(["python", script], 1, "Traceback ...\nRuntimeError: out of memory\n")
+            raise processes.ChildFailed(["python", script], 1, "Traceback ...\nRuntimeError: out of memory\n")
         return real(script, flags, *args, **kwargs)
 
-    monkeypatch.setattr(bench, "run_script", failing)
-    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "")
+    monkeypatch.setattr(sections, "run_script", failing)
+    monkeypatch.setattr(sections, "emulated_half", lambda flags, device: "")
     saved = []
-    rows = bench.train_section(settings(repeats=2), tmp_path, with_compile=False,
-                               only=["nd", "nd contiguous"], save=saved.append)
+    rows = sections.train_section(settings(repeats=2), tmp_path, with_compile=False,
+                                  only=["nd", "nd contiguous"], save=saved.append)
     assert asked == ["reference-train", "imagenet_nd.py"] * 2  # the failed one is not tried again
     failed = rows[2]
     assert (failed["config"], failed["images_per_second"], failed["repeats"], failed["note"]) == (
@@ -182,8 +185,8 @@ def test_a_configuration_that_fails_gets_a_row_saying_why_and_the_others_go_on(t
     # The command writes every row, then exits with status 1, naming what failed.
     csv_path = tmp_path / "bench.csv"
     with pytest.raises(SystemExit) as stopped:
-        bench.main(["--sections", "train", "--configs", "nd", "nd contiguous", "-b", "4", "--image-size", "32",
-                    "--csv", str(csv_path)])
+        cli.main(["--sections", "train", "--configs", "nd", "nd contiguous", "-b", "4", "--image-size", "32",
+                  "--csv", str(csv_path)])
     assert stopped.value.code == 1
     with open(csv_path, newline="") as handle:
         written = list(csv.DictReader(handle))
@@ -193,30 +196,30 @@ def test_a_configuration_that_fails_gets_a_row_saying_why_and_the_others_go_on(t
 
 def test_train_configurations_named_run_compiled_ones_without_the_compile_flag(tmp_path, monkeypatch):
     asked = _fake_measurements(monkeypatch)
-    rows = bench.train_section(settings(), tmp_path, with_compile=False, only=["nd compile"])
+    rows = sections.train_section(settings(), tmp_path, with_compile=False, only=["nd compile"])
     assert asked == ["reference-train", "imagenet_nd.py --compile"]
     assert [(row["config"], row["compile"]) for row in rows] == [("reference", False), ("nd compile", True)]
     asked.clear()
-    every = bench.train_section(settings(), tmp_path, with_compile=False)
+    every = sections.train_section(settings(), tmp_path, with_compile=False)
     assert [row["config"] for row in every] == ["reference"] + [
-        name for name, script, _ in bench.TRAIN_CONFIGS if script != "imagenet_dp.py"]  # no DataParallel on the CPU
+        name for name, script, _ in sections.TRAIN_CONFIGS if script != "imagenet_dp.py"]  # no DataParallel on the CPU
     asked.clear()
-    compiled = bench.train_section(settings(), tmp_path, with_compile=True)
-    assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in bench.COMPILE_CONFIGS]
+    compiled = sections.train_section(settings(), tmp_path, with_compile=True)
+    assert [row["config"] for row in compiled][-2:] == [name for name, _, _ in sections.COMPILE_CONFIGS]
 
 
 def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "emulated_half", lambda flags, device: "bf16 emulated on this CPU (AVX2)"
+    monkeypatch.setattr(sections, "emulated_half", lambda flags, device: "bf16 emulated on this CPU (AVX2)"
                         if "O1" in flags or "O2" in flags else "")
     asked = _fake_measurements(monkeypatch)
-    rows = bench.train_section(settings(repeats=2), tmp_path, with_compile=False)
+    rows = sections.train_section(settings(repeats=2), tmp_path, with_compile=False)
     assert "imagenet_ddp_apex.py --nproc-per-node 1 --opt-level O1" not in asked  # not run at all
     skipped = {row["config"]: (row["precision"], row["images_per_second"], row["note"]) for row in rows if row["note"]}
     assert skipped == {
         "ddp_apex O1": ("O1 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)"),
         "ddp_apex O2 channels_last": ("O2 bf16", "", "bf16 emulated on this CPU (AVX2): skipped (--measure-emulated "
                                                      "times it)")}
-    lines = bench.ratios(rows)
+    lines = targets.ratios(rows)
     assert lines[:3] == [
         "train: fp32 (imagenet_nd.py) over the reference loop: 1.00x (target >= 1x on the 2-core CPU: met)",
         "train: imagenet_ddp_apex.py's own choice of precision over the reference loop: 1.00x (target >= 1x on the "
@@ -224,20 +227,20 @@ def test_half_types_this_cpu_emulates_are_skipped_and_never_shown_as_a_speed_up(
         "train: bf16 autocast + channels-last over the reference loop: not measured (bf16 emulated on this CPU "
         "(AVX2): skipped (--measure-emulated times it)); not a speed-up on this machine"]
     # Asked to, it times them anyway, and labels them.
-    measured = bench.train_section(settings(measure_emulated=True), tmp_path, with_compile=False)
+    measured = sections.train_section(settings(measure_emulated=True), tmp_path, with_compile=False)
     labelled = {row["config"]: row["note"] for row in measured if row["note"]}
     assert labelled == {"ddp_apex O1": "bf16 emulated on this CPU (AVX2)",
                         "ddp_apex O2 channels_last": "bf16 emulated on this CPU (AVX2)"}
     assert all(row["images_per_second"] == 10.0 for row in measured)
     next(row for row in measured if row["config"] == "ddp_apex O1")["images_per_second"] = 0.5  # 20x slower
     assert "train: ddp_apex O1 over the reference loop: 0.05x (bf16 emulated on this CPU (AVX2): a slowdown to " \
-           "avoid, not a speed-up)" in bench.ratios(measured)
+           "avoid, not a speed-up)" in targets.ratios(measured)
 
 
 def test_an_input_configuration_that_measures_nothing_still_gets_its_row(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     _fake_measurements(monkeypatch, images_per_second=0.0)
-    rows = bench.input_section(settings(data=str(root), input_repeats=2), str(root))
+    rows = sections.input_section(settings(data=str(root), input_repeats=2), str(root))
     assert [(row["config"], row["images_per_second"], row["spread_percent"]) for row in rows] == [
         ("reference", 0.0, ""), ("pil", 0.0, ""), ("torchvision", 0.0, "")]  # no spread around a median of 0
 
@@ -252,10 +255,10 @@ def test_end_to_end_trains_on_the_jpegs_with_each_backend_beside_synthetic_data(
         return {"images_per_second": speed, "ms_per_step": 4000 / speed, "peak_memory_mib": 1.0,
                 "precision": "fp32", "memory_format": "channels_last", "measured_steps": 1, "warmup_steps": 1}
 
-    monkeypatch.setattr(bench, "run_script", script)
+    monkeypatch.setattr(sections, "run_script", script)
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # DALI not installed, as `import nvidia.dali` then says
-    rows = bench.end_to_end_section(settings(workers=[1, 2], repeats=2, backends=("torchvision", "gpu", "dali")),
-                                    tmp_path, str(root))
+    rows = sections.end_to_end_section(settings(workers=[1, 2], repeats=2, backends=("torchvision", "gpu", "dali")),
+                                       tmp_path, str(root))
     every_round = [("imagenet_nd.py", [], None, 0), ("imagenet_nd.py", ["--data-backend", "torchvision"], str(root), 2),
                    ("imagenet_nd.py", ["--data-backend", "gpu"], str(root), 2)]
     assert ran == every_round * 2  # dali: never started
@@ -265,7 +268,7 @@ def test_end_to_end_trains_on_the_jpegs_with_each_backend_beside_synthetic_data(
         ("end-to-end", "nd", "gpu", 2, 18.0, 2, ""),
         ("end-to-end", "nd", "dali", 2, "", "", "not installed: pip install -r requirements-dali.txt")]
     assert all(row["gflop_per_image"] == pytest.approx(0.2203, abs=1e-3) for row in rows[:3])  # training rows
-    assert bench.ratios(rows) == [
+    assert targets.ratios(rows) == [
         "end-to-end: real JPEGs with --data-backend torchvision over synthetic data, nd: 0.75 (1.00 = not input-bound)",
         "end-to-end: real JPEGs with --data-backend gpu over synthetic data, nd: 0.90 (1.00 = not input-bound)",
         "end-to-end: nd with --data-backend dali: not measured (not installed: pip install -r requirements-dali.txt)"]
@@ -282,10 +285,10 @@ def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monk
         commands.append(command)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(bench, "_run", stop)
+    monkeypatch.setattr(processes, "_run", stop)
     for data, workers in ((None, None), ("DATA", 12)):
         with pytest.raises(RuntimeError):
-            bench.run_script("imagenet_nd.py", [], settings(device=device), tmp_path, data=data, workers=workers)
+            processes.run_script("imagenet_nd.py", [], settings(device=device), tmp_path, data=data, workers=workers)
     assert [command[command.index("-j") + 1] for command in commands] == [synthetic_workers, "12"]
     assert "--synthetic" in commands[0] and "DATA" in commands[1]
 
@@ -293,45 +296,45 @@ def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monk
 def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():
     for device, batch, warmup, steps, input_batches in (("cuda", 256, 10, 40, 40), ("cpu", 32, 3, 8, 10)):
         plan = settings(device=device, batch_size=batch, warmup_steps=warmup, steps=steps, input_batches=input_batches)
-        files = bench.FAKE_CLASSES * bench.fake_imagenet_per_class(plan)
+        files = cli.FAKE_CLASSES * cli.fake_imagenet_per_class(plan)
         assert files >= batch * (warmup + steps + 1)  # an end-to-end run's batches, and one the sampler may drop
         assert files >= batch * (input_batches + 2)
     gpu = settings(batch_size=256, warmup_steps=10, steps=40, input_batches=40)
-    assert bench.FAKE_CLASSES * bench.fake_imagenet_per_class(gpu) == 13056  # 51 batches of 256 for 50 read
+    assert cli.FAKE_CLASSES * cli.fake_imagenet_per_class(gpu) == 13056  # 51 batches of 256 for 50 read
 
 
 def test_training_flops_per_image_are_counted_forward_and_backward():
-    resnet50 = bench.training_gflop_per_image("resnet50", 224)
+    resnet50 = flops.training_gflop_per_image("resnet50", 224)
     # ResNet-50's forward pass is 4.1 G multiply-adds (8.2 GFLOP); backward about twice that: ~3 x 8.2.
     assert 23.5 < resnet50 < 24.7, resnet50
-    assert 10.0 < bench.training_gflop_per_image("resnet18", 224) < 11.0  # 1.8 G multiply-adds forward
+    assert 10.0 < flops.training_gflop_per_image("resnet18", 224) < 11.0  # 1.8 G multiply-adds forward
 
 
 def test_mfu_is_model_flops_over_the_datasheet_peak_of_the_rows_precision(monkeypatch):
-    assert bench.gpu_peak_tflops(H100, "O2 fp16") == bench.gpu_peak_tflops(H100, "O1 bf16") == 989.4
-    assert bench.gpu_peak_tflops(H100, "fp32") == 494.7  # TF32 tensor cores
-    assert bench.gpu_peak_tflops("NVIDIA H200", "O2 bf16") == 989.4
-    assert bench.gpu_peak_tflops("NVIDIA H100 PCIe", "O2 fp16") == 756.5
-    assert bench.gpu_peak_tflops("NVIDIA H100 PCIe", "fp32") == 378.0
-    assert bench.gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 156.0
-    assert bench.gpu_peak_tflops("NVIDIA A100 80GB PCIe", "O3 bf16") == 312.0
-    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 fp16") == 125.0
-    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "fp32") == 15.7  # no TF32 on Volta
-    assert bench.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 bf16") is None  # nor bf16
+    assert flops.gpu_peak_tflops(H100, "O2 fp16") == flops.gpu_peak_tflops(H100, "O1 bf16") == 989.4
+    assert flops.gpu_peak_tflops(H100, "fp32") == 494.7  # TF32 tensor cores
+    assert flops.gpu_peak_tflops("NVIDIA H200", "O2 bf16") == 989.4
+    assert flops.gpu_peak_tflops("NVIDIA H100 PCIe", "O2 fp16") == 756.5
+    assert flops.gpu_peak_tflops("NVIDIA H100 PCIe", "fp32") == 378.0
+    assert flops.gpu_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 156.0
+    assert flops.gpu_peak_tflops("NVIDIA A100 80GB PCIe", "O3 bf16") == 312.0
+    assert flops.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 fp16") == 125.0
+    assert flops.gpu_peak_tflops("Tesla V100-SXM2-16GB", "fp32") == 15.7  # no TF32 on Volta
+    assert flops.gpu_peak_tflops("Tesla V100-SXM2-16GB", "O2 bf16") is None  # nor bf16
     for unknown in ("NVIDIA H100 NVL", "NVIDIA GeForce RTX 4090", "AMD EPYC (2 cores)"):
-        assert bench.gpu_peak_tflops(unknown, "O2 fp16") is None
-    assert bench.mfu_percent(4000.0, 24.3, 989.4) == pytest.approx(100 * 4000 * 24.3e9 / 989.4e12)  # 9.82%
+        assert flops.gpu_peak_tflops(unknown, "O2 fp16") is None
+    assert flops.mfu_percent(4000.0, 24.3, 989.4) == pytest.approx(100 * 4000 * 24.3e9 / 989.4e12)  # 9.82%
 
-    monkeypatch.setattr(bench, "training_gflop_per_image", lambda arch, image_size: 24.3)
+    monkeypatch.setattr(flops, "training_gflop_per_image", lambda arch, image_size: 24.3)
     fields = dict(section="train", config="ddp_apex O2 channels_last", arch="resnet50", image_size=224,
                   precision="O2 fp16", device_name=H100)
     measured = [{"images_per_second": speed, "ms_per_step": 1.0, "peak_memory_mib": 1.0} for speed in (3900.0, 4000.0,
                                                                                                       4100.0)]
-    row = bench.finish(fields, measured, None, settings(device="cuda"))
+    row = repeats.finish(fields, measured, None, settings(device="cuda"))
     assert (row["gflop_per_image"], row["peak_tflops"], row["mfu_percent"]) == (24.3, 989.4, 9.82)  # at the median
-    cpu = bench.finish(dict(fields, device_name="AMD EPYC (2 cores)"), measured, None, settings())
+    cpu = repeats.finish(dict(fields, device_name="AMD EPYC (2 cores)"), measured, None, settings())
     assert (cpu["gflop_per_image"], cpu["peak_tflops"], cpu["mfu_percent"]) == (24.3, "", "")  # no CPU peak
-    given = bench.finish(fields, measured, None, settings(peak_tflops=100.0))
+    given = repeats.finish(fields, measured, None, settings(peak_tflops=100.0))
     assert (given["peak_tflops"], given["mfu_percent"]) == (100.0, 97.2)  # --peak-tflops: 4000 x 24.3 / 100e3
 
 
@@ -361,24 +364,24 @@ def nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_the_gpu_is_sampled_while_a_measured_process_runs(nvidia_smi):
-    monitor = bench.GpuMonitor(["GPU-1234"], interval=0.1)
+    monitor = GpuMonitor(["GPU-1234"], interval=0.1)
     assert (monitor.gpu, monitor.query) == (
         "GPU-1234", "clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active")
-    ran = bench._run([sys.executable, "-c", "import time; time.sleep(0.6)"], monitor)
+    ran = processes._run([sys.executable, "-c", "import time; time.sleep(0.6)"], monitor)
     samples = ran["gpu_readings"]
-    assert len(samples) >= 2 and set(samples) == {bench.GpuSample(1755.0, 612.25, 67.0, 98.0, 0x4)}
+    assert len(samples) >= 2 and set(samples) == {GpuSample(1755.0, 612.25, 67.0, 98.0, 0x4)}
     assert ran["process"] != os.getpid()
     calls = (nvidia_smi / "calls").read_text().splitlines()
     assert len(calls) == 1 + len(samples)  # the probe, then one a sample
     assert set(calls) == {"--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,"
                           "clocks_event_reasons.active --format=csv,noheader,nounits -i GPU-1234"}
-    assert bench.gpu_state(samples) == {"gpu_samples": len(samples), "sm_clock_mhz": 1755, "power_w": 612.2,
-                                        "temperature_c": 67, "throttle_reasons": "sw_power_cap"}
+    assert gpu_state(samples) == {"gpu_samples": len(samples), "sm_clock_mhz": 1755, "power_w": 612.2,
+                                  "temperature_c": 67, "throttle_reasons": "sw_power_cap"}
 
 
 def test_an_older_driver_is_asked_for_its_throttle_reasons(nvidia_smi):
     (nvidia_smi / "old-driver").touch()
-    monitor = bench.GpuMonitor(["0"])
+    monitor = GpuMonitor(["0"])
     assert monitor.gpu == "0" and monitor.query.endswith(",clocks_throttle_reasons.active")
 
 
@@ -388,14 +391,14 @@ def test_without_an_answer_from_nvidia_smi_nothing_is_sampled_and_nothing_fails(
         monkeypatch.setenv("PATH", str(nvidia_smi.parent / "empty"))
     else:
         (nvidia_smi / "broken").touch()
-    monitor = bench.GpuMonitor(["GPU-1234", "0"])
+    monitor = GpuMonitor(["GPU-1234", "0"])
     assert monitor.gpu is None
     assert monitor.problem == ("nvidia-smi not found" if case == "missing" else
                                "nvidia-smi -i 0 (exit 9): NVIDIA-SMI has failed because it couldn't communicate with "
                                "the NVIDIA driver.")
     with monitor.sampling() as samples:
         assert samples is None
-    assert bench.gpu_state(None) == {}
+    assert gpu_state(None) == {}
 
 
 def test_the_gpu_sampled_is_the_one_the_runs_use(monkeypatch):
@@ -406,34 +409,34 @@ def test_the_gpu_sampled_is_the_one_the_runs_use(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert bench.gpus_to_sample("cuda", None) == ["GPU-58e5a9a6-1c2d-4e5f-8a9b-0c1d2e3f4a5b", "2", "0"]
-    assert bench.gpus_to_sample("cuda", "GPU-1") == bench.gpus_to_sample("cpu", "GPU-1") == ["GPU-1"]  # --gpu-index
-    assert bench.gpus_to_sample("cpu", None) == []  # the CPU: nothing sampled
+    assert gpus_to_sample("cuda", None) == ["GPU-58e5a9a6-1c2d-4e5f-8a9b-0c1d2e3f4a5b", "2", "0"]
+    assert gpus_to_sample("cuda", "GPU-1") == gpus_to_sample("cpu", "GPU-1") == ["GPU-1"]  # --gpu-index
+    assert gpus_to_sample("cpu", None) == []  # the CPU: nothing sampled
 
 
 def test_a_rows_gpu_state_is_over_the_busy_samples_of_all_its_repeats():
-    busy = [bench.GpuSample(1980.0, 650.0, 60.0, 100.0, 0x0), bench.GpuSample(1755.0, 699.5, 66.0, 100.0, 0x4),
-            bench.GpuSample(1830.0, 680.0, 64.0, 97.0, 0x4 | 0x20)]
-    idle = bench.GpuSample(345.0, 70.0, 40.0, 0.0, 0x1)  # between processes: not what the work ran at
-    unreadable = bench.GpuSample(None, None, None, None, None)  # [N/A] everywhere: counted as busy, adds nothing
+    busy = [GpuSample(1980.0, 650.0, 60.0, 100.0, 0x0), GpuSample(1755.0, 699.5, 66.0, 100.0, 0x4),
+            GpuSample(1830.0, 680.0, 64.0, 97.0, 0x4 | 0x20)]
+    idle = GpuSample(345.0, 70.0, 40.0, 0.0, 0x1)  # between processes: not what the work ran at
+    unreadable = GpuSample(None, None, None, None, None)  # [N/A] everywhere: counted as busy, adds nothing
     measured = [{"images_per_second": 10.0, "ms_per_step": 1.0, "peak_memory_mib": 1.0, "gpu_readings": samples}
                 for samples in ([idle, busy[0]], [busy[1], idle, unreadable], [busy[2]])]
-    state = bench.summarize(measured)
+    state = repeats.summarize(measured)
     assert {key: state[key] for key in ("sm_clock_mhz", "power_w", "temperature_c", "throttle_reasons",
                                         "gpu_samples")} == {
         "sm_clock_mhz": 1830, "power_w": 680.0, "temperature_c": 66,  # medians of 3, and the highest
         "throttle_reasons": "sw_power_cap sw_thermal_slowdown", "gpu_samples": 4}
-    assert bench.gpu_state([busy[0]])["throttle_reasons"] == "none"
-    assert bench.parse_gpu_sample("1410, [N/A], 45, 0, [Not Supported]") == bench.GpuSample(1410.0, None, 45.0, 0.0,
+    assert gpu_state([busy[0]])["throttle_reasons"] == "none"
+    assert parse_gpu_sample("1410, [N/A], 45, 0, [Not Supported]") == GpuSample(1410.0, None, 45.0, 0.0,
                                                                                            None)
-    assert bench.parse_gpu_sample("No devices were found") is None
+    assert parse_gpu_sample("No devices were found") is None
 
 
 def test_command_line_mistakes_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--input-rounds: replaced by --repeats N"):
-        bench.main(["--input-rounds", "3"])
+        cli.main(["--input-rounds", "3"])
     with pytest.raises(UsageError, match="--backends: gpu decodes on a GPU; it needs --device cuda"):
-        bench.main(["--device", "cpu", "--backends", "gpu", "--csv", str(tmp_path / "x.csv")])
+        cli.main(["--device", "cpu", "--backends", "gpu", "--csv", str(tmp_path / "x.csv")])
 
 
 # --- the harness as a command, in real processes (slow) ---
@@ -537,16 +540,17 @@ def test_repeats_run_in_fresh_processes_and_rows_carry_the_gpu_state_and_mfu(tmp
 def test_the_input_section_measures_dali_only_where_the_backends_name_it_and_it_imports(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
     asked = _fake_measurements(monkeypatch)
-    bench.input_section(settings(data=str(root), input_repeats=1), str(root))
+    sections.input_section(settings(data=str(root), input_repeats=1), str(root))
     assert asked == ["reference", "pil", "torchvision"]  # the CPU's default backends: no dali
     asked.clear()
-    monkeypatch.setattr(bench, "backend_missing", lambda backend: "")
-    rows = bench.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: "")
+    rows = sections.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")),
+                                  str(root))
     assert asked == ["reference", "pil", "torchvision", "dali"]
     assert rows[-1]["command"] == "--data-backend dali -j 1" and rows[-1]["data_backend"] == "dali"
     asked.clear()
-    monkeypatch.setattr(bench, "backend_missing", lambda backend: bench.DALI_MISSING)
-    bench.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: sections.DALI_MISSING)
+    sections.input_section(settings(data=str(root), input_repeats=1, backends=("torchvision", "dali")), str(root))
     assert asked == ["reference", "pil", "torchvision"]  # named but not installed: the end-to-end row says so
 
 
@@ -554,10 +558,10 @@ def test_the_input_section_measures_dali_only_where_the_backends_name_it_and_it_
 def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp_path, capsys):
     """At a reduced size (CI's): the tree of hard links, built once, and the rows the targets read."""
     from common.dataset_lists import scan_split
-    from common.tools import data_scale
+    from common.tools.bench import data_scale
 
-    bench.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),
-                "--csv", str(tmp_path / "scale.csv")])
+    cli.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),
+              "--csv", str(tmp_path / "scale.csv")])
     with open(tmp_path / "scale.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["config"] for row in rows] == [
@@ -579,31 +583,31 @@ def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp
     assert data_scale.hardlinked_tree(tmp_path / "cache", 10, 20) == tree and files[0].stat().st_ino == inode  # reused
 
 
-# --- the comm and scaling sections (common/tools/comm_bench.py) ---
+# --- the comm and scaling sections (common/tools/bench/comm_bench.py) ---
 
 def test_bus_bandwidth_is_nccl_tests_definition_and_comm_rows_come_one_per_size():
-    assert bench.bus_bandwidth(10.0, 2) == 10.0  # 2(n-1)/n = 1
-    assert bench.bus_bandwidth(10.0, 8) == 17.5  # 2 * 7 / 8
+    assert bus_bandwidth(10.0, 2) == 10.0  # 2(n-1)/n = 1
+    assert bus_bandwidth(10.0, 8) == 17.5  # 2 * 7 / 8
     # Two repeats of two sizes: the median time (of two: their mean), algbw = bytes / time, busbw from it.
     measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 100.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]},
                     {"sizes": [{"size_bytes": 4096, "time_us": 300.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]}]
-    rows = bench.comm_rows(measurements, None, 4, "gloo", [4096, 1 << 20])
+    rows = sections.comm_rows(measurements, None, 4, "gloo", [4096, 1 << 20])
     assert [(row["section"], row["config"], row["size_bytes"], row["repeats"]) for row in rows] == [
         ("comm", "all_reduce 4 KiB", 4096, 2), ("comm", "all_reduce 1 MiB", 1 << 20, 2)]
     assert rows[0]["time_us"] == 200.0 and rows[0]["spread_percent"] == 100.0  # (300 - 100) / 200
     assert rows[0]["algbw_gbytes_per_s"] == round(4096 / 200e-6 / 1e9, 4) == 0.0205
     assert rows[1]["algbw_gbytes_per_s"] == 1.0486 and rows[1]["busbw_gbytes_per_s"] == 1.5729  # x 2 * 3 / 4
-    assert all(tuple(row) == bench.FIELDS and row["world_size"] == 4 and row["backend"] == "gloo" for row in rows)
-    assert bench.comm_lines(rows)[0].startswith("comm: all-reduce among 4 processes (gloo): latency 200.0 us at "
-                                                "4 KiB, busbw 1.573 GB/s at 1 MiB")
+    assert all(tuple(row) == report.FIELDS and row["world_size"] == 4 and row["backend"] == "gloo" for row in rows)
+    assert targets.comm_lines(rows)[0].startswith("comm: all-reduce among 4 processes (gloo): latency 200.0 us at "
+                                                  "4 KiB, busbw 1.573 GB/s at 1 MiB")
 
 
 def test_a_failed_comm_measurement_gives_rows_saying_why(monkeypatch):
     def failing(spec, gpu=None):
-        raise bench.ChildFailed(["python"], 1, "Traceback ...\nRuntimeError: Connection refused\n")
+        raise processes.ChildFailed(["python"], 1, "Traceback ...\nRuntimeError: Connection refused\n")
 
-    monkeypatch.setattr(bench, "run_child", failing)
-    rows = bench.comm_section(settings(comm_sizes=(4096, 65536), repeats=2))
+    monkeypatch.setattr(sections, "run_child", failing)
+    rows = sections.comm_section(settings(comm_sizes=(4096, 65536), repeats=2))
     assert [(row["config"], row["time_us"], row["busbw_gbytes_per_s"], row["note"]) for row in rows] == [
         (f"all_reduce {size}", "", "", "failed in repeat 1: exit 1: RuntimeError: Connection refused")
         for size in ("4 KiB", "64 KiB")]
@@ -615,7 +619,7 @@ def test_the_comm_sections_csv_is_the_scaling_models_measured_link(tmp_path):
 
     measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 40.0}, {"size_bytes": 16 << 20, "time_us": 20000.0}]}]
     path = tmp_path / "comm.csv"
-    bench.write_csv(bench.comm_rows(measurements, None, 4, "nccl", [4096, 16 << 20]), path)
+    report.write_csv(sections.comm_rows(measurements, None, 4, "nccl", [4096, 16 << 20]), path)
     links = scaling.links_from_comm_csv(path, scaling.H100_LINKS)
     # busbw of the largest size: 16 MiB / 20 ms x 2 * 3 / 4 = 1.258 GB/s (4 decimals in the CSV).
     assert links.intra_node_bytes_per_second == pytest.approx(1.2583e9)
@@ -636,9 +640,9 @@ def test_the_comm_sections_csv_is_the_scaling_models_measured_link(tmp_path):
 
 
 def test_exposed_communication_is_the_step_less_the_same_step_without_synchronisation(monkeypatch):
-    assert bench.split_step(500.0, 320.0) == {"ms_per_step": 500.0, "compute_ms": 320.0, "exposed_comm_ms": 180.0,
-                                              "data_wait_ms": 0.0}
-    assert bench.split_step(500.0, 320.0, 20.0)["compute_ms"] == 300.0  # data wait is not compute
+    assert sections.split_step(500.0, 320.0) == {"ms_per_step": 500.0, "compute_ms": 320.0, "exposed_comm_ms": 180.0,
+                                                 "data_wait_ms": 0.0}
+    assert sections.split_step(500.0, 320.0, 20.0)["compute_ms"] == 300.0  # data wait is not compute
     asked = []
     figures = {"1": (100.0, 100.0), "none": (300.0, 110.0), "fp16": (200.0, 110.0), "bf16": (200.0, 112.0),
                "powersgd": (150.0, 120.0)}
@@ -648,9 +652,9 @@ def test_exposed_communication_is_the_step_less_the_same_step_without_synchronis
         sync, alone = figures["1" if spec["world_size"] == 1 else spec["hook"]]
         return {"sync_ms": sync, "no_sync_ms": alone, "peak_memory_mib": 10.0}
 
-    monkeypatch.setattr(bench, "run_child", measured)
-    monkeypatch.setattr(bench, "training_gflop_per_image", lambda arch, size: 0.1)
-    rows = bench.scaling_section(settings(comm_world_size=2))
+    monkeypatch.setattr(sections, "run_child", measured)
+    monkeypatch.setattr(flops, "training_gflop_per_image", lambda arch, size: 0.1)
+    rows = sections.scaling_section(settings(comm_world_size=2))
     assert asked == [(1, "none"), (2, "none"), (2, "fp16"), (2, "bf16"), (2, "powersgd")]
     assert [(row["config"], row["ms_per_step"], row["compute_ms"], row["exposed_comm_ms"], row["data_wait_ms"])
             for row in rows] == [("1 process, hook none", 100.0, 100.0, 0.0, 0.0),
@@ -664,10 +668,10 @@ def test_exposed_communication_is_the_step_less_the_same_step_without_synchronis
 
 def test_comm_flags_mistakes_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--comm-world-size: 1 process: communication needs at least 2"):
-        bench.main(["--device", "cpu", "--sections", "comm", "--comm-world-size", "1", "--csv", str(tmp_path / "x")])
+        cli.main(["--device", "cpu", "--sections", "comm", "--comm-world-size", "1", "--csv", str(tmp_path / "x")])
     with pytest.raises(UsageError, match="--comm-sizes: expected a size like 4KiB, 64MiB or bytes"):
-        bench.main(["--device", "cpu", "--sections", "comm", "--comm-sizes", "4 parsecs"])
-    assert bench.parse_size("64MiB") == 64 << 20 and bench.parse_size("4KiB") == 4096 and bench.parse_size("512") == 512
+        cli.main(["--device", "cpu", "--sections", "comm", "--comm-sizes", "4 parsecs"])
+    assert cli.parse_size("64MiB") == 64 << 20 and cli.parse_size("4KiB") == 4096 and cli.parse_size("512") == 512
 
 
 def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
@@ -690,8 +694,8 @@ def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
 @pytest.mark.slow  # three sets of processes training ResNet-18 at 64 px (about 30 s on 2 cores)
 def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys):
     # Two of the four hooks (CI's time): none, and PowerSGD, the one with state and extra arithmetic.
-    monkeypatch.setattr(bench, "SCALING_HOOKS", ("none", "powersgd"))
-    bench.main(["--device", "cpu", "--sections", "scaling", "--csv", str(tmp_path / "bench.csv")])
+    monkeypatch.setattr(sections, "SCALING_HOOKS", ("none", "powersgd"))
+    cli.main(["--device", "cpu", "--sections", "scaling", "--csv", str(tmp_path / "bench.csv")])
     rows = json_rows(capsys.readouterr().out)
     assert [(row["world_size"], row["hook"]) for row in rows] == [(1, "none"), (2, "none"), (2, "powersgd")]
     for row in rows:

@@ -153,6 +153,10 @@ def problems_of(command: str) -> list:
         if importlib.util.find_spec(module) is None:
             return [f"no module {module}"]
         tool = importlib.import_module(module)
+        if hasattr(tool, "__path__"):  # a package: `python -m` runs its __main__
+            if importlib.util.find_spec(f"{module}.__main__") is None:
+                return [f"package {module} has no __main__ to run"]
+            tool = importlib.import_module(f"{module}.__main__")
         if not hasattr(tool, "build_parser"):
             return [f"{module} has no build_parser() to check its flags against"]
         return unknown_flags(tool.build_parser(), rest[2:], module)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from common.distributed import Context
-from common.launcher import free_local_port
+from common.ports import free_port
 from common.meters import EpochMetrics, MetricSums, MetricTotals, SplitTiming, topk_correct
 
 # Four samples, six classes; the comment gives the rank of the target's logit.
@@ -121,7 +121,7 @@ def _sum_over_two_processes(rank, port, out_dir):
 def test_totals_are_summed_across_processes(tmp_path):
     import torch.multiprocessing as mp
 
-    port = free_local_port()
+    port = free_port()
     mp.start_processes(_sum_over_two_processes, args=(port, tmp_path), nprocs=2, start_method="fork")
     # (4 x 2.0 + 1 x 7.0, top-1, top-5, count, timed images, bytes, unreadable images, images above Pillow's
     # decompression-bomb limit): one epoch's totals.

@@ -13,7 +13,6 @@ from torch import nn
 
 from common import cli, hardware
 from common.errors import UsageError
-from common.launcher import free_local_port
 from common.engine import sgd_implementation
 from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
 from conftest import REPO, cpu_has_native_bf16, run_command, run_script
@@ -193,7 +192,7 @@ def _overflow_on_rank0_at_step_1(rank, port, out_dir):
 def test_an_overflow_skips_the_step_on_every_rank_and_halves_the_scale(tmp_path):
     import torch.multiprocessing as mp
 
-    port = free_local_port()
+    port = free_port()
     # spawn, not fork: this process has run OpenMP-threaded ops already, which a forked child can hang on.
     mp.start_processes(_overflow_on_rank0_at_step_1, args=(port, tmp_path), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import distributed, launcher, preemption, process_signals
+from common import distributed, preemption, process_signals
 from common.cli import parse
 from common.errors import STOPPED_EXIT_STATUS, UsageError
 from common.preemption import StopControl
@@ -99,7 +99,7 @@ def _decide_in_two_processes(rank: int, port: int, signalled_rank: int, signal_a
 @pytest.mark.parametrize("signalled_rank", [0, 1])
 def test_a_signal_to_one_process_stops_both_at_the_same_step(signalled_rank):
     results = mp.Manager().dict()
-    mp.spawn(_decide_in_two_processes, args=(launcher.free_local_port(), signalled_rank, 4, results), nprocs=2)
+    mp.spawn(_decide_in_two_processes, args=(free_port(), signalled_rank, 4, results), nprocs=2)
     # Signalled before step 5's combination began: its flag is combined at step 5 and seen at step 6.
     assert dict(results) == {0: (6, True), 1: (6, True)}
 

@@ -87,16 +87,16 @@ OLD_BENCH_HEADER = ("| section | configuration | precision | memory format | dat
 
 
 def test_bench_tables_name_each_machines_half_precision_support(tmp_path):
-    from common.tools import bench
+    from common.tools.bench import report
 
     machine = dict(device_name="AMD EPYC (2 cores)", date="2026-11-25", torch="2.14.1", torchvision="0.29.1",
                    cuda="", cpu_threads=2, host="vm", capability="AVX2", bf16_native=False, fp16_native=False)
-    rows = [bench.record(section="train", config="reference", precision="fp32", images_per_second=10.0, **machine),
-            bench.record(section="train", config="nd", precision="fp32", images_per_second=11.0, **machine),
-            bench.record(section="train", config="ddp_apex O2 channels_last", precision="O2 bf16",
-                         note="bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)", **machine)]
+    rows = [report.record(section="train", config="reference", precision="fp32", images_per_second=10.0, **machine),
+            report.record(section="train", config="nd", precision="fp32", images_per_second=11.0, **machine),
+            report.record(section="train", config="ddp_apex O2 channels_last", precision="O2 bf16",
+                          note="bf16 emulated on this CPU (AVX2): skipped (--measure-emulated times it)", **machine)]
     new = tmp_path / "new.csv"
-    bench.write_csv(rows, new)
+    report.write_csv(rows, new)
     old = tmp_path / "old.csv"  # written before the harness recorded half-precision support
     old.write_text("\n".join(",".join(str(row[field]) for field in OLD_BENCH_FIELDS) for row in
                              [dict(zip(OLD_BENCH_FIELDS, OLD_BENCH_FIELDS))] + rows[:2]) + "\n")
@@ -110,28 +110,28 @@ def test_bench_tables_name_each_machines_half_precision_support(tmp_path):
 
 
 def test_bench_tables_show_the_median_spread_mfu_and_gpu_state_where_measured(tmp_path):
-    from common.tools import bench
+    from common.tools.bench import report, sections
 
     gpu = dict(device_name="NVIDIA H100 80GB HBM3", date="2026-12-01", torch="2.14.1", torchvision="0.29.1",
                cuda="13.0", cpu_threads=16, host="vm", capability="sm_90", bf16_native=True, fp16_native=True,
                arch="resnet50", image_size=224, batch_size=256)
     state = dict(sm_clock_mhz=1755, power_w=690.5, temperature_c=71, throttle_reasons="sw_power_cap", gpu_samples=40)
-    rows = [bench.record(section="train", config="reference", precision="fp32", images_per_second=1850.0, repeats=3,
-                         images_per_second_min=1840.0, images_per_second_max=1860.0, spread_percent=1.08,
-                         gflop_per_image=24.299, peak_tflops=494.7, mfu_percent=9.09, ms_per_step=138.4,
-                         **state, **gpu),
-            bench.record(section="train", config="ddp_apex O2 channels_last", precision="O2 fp16",
-                         images_per_second=4100.0, repeats=3, spread_percent=6.5, gflop_per_image=24.299,
-                         peak_tflops=989.4, mfu_percent=10.07, ms_per_step=62.4, **dict(state, sm_clock_mhz=1980),
-                         **gpu),
-            bench.record(section="input", config="torchvision", data_backend="torchvision", workers=12, repeats=3,
-                         images_per_second=2900.0, spread_percent=2.0, images_per_second_per_worker=241.7,
-                         sm_clock_mhz=1410, power_w=120.0, temperature_c=45, throttle_reasons="none", gpu_samples=5,
-                         **gpu),
-            bench.record(section="end-to-end", config="ddp_apex O2 channels_last", data_backend="dali", workers=12,
-                         note=bench.DALI_MISSING, **gpu)]
+    rows = [report.record(section="train", config="reference", precision="fp32", images_per_second=1850.0, repeats=3,
+                          images_per_second_min=1840.0, images_per_second_max=1860.0, spread_percent=1.08,
+                          gflop_per_image=24.299, peak_tflops=494.7, mfu_percent=9.09, ms_per_step=138.4,
+                          **state, **gpu),
+            report.record(section="train", config="ddp_apex O2 channels_last", precision="O2 fp16",
+                          images_per_second=4100.0, repeats=3, spread_percent=6.5, gflop_per_image=24.299,
+                          peak_tflops=989.4, mfu_percent=10.07, ms_per_step=62.4, **dict(state, sm_clock_mhz=1980),
+                          **gpu),
+            report.record(section="input", config="torchvision", data_backend="torchvision", workers=12, repeats=3,
+                          images_per_second=2900.0, spread_percent=2.0, images_per_second_per_worker=241.7,
+                          sm_clock_mhz=1410, power_w=120.0, temperature_c=45, throttle_reasons="none", gpu_samples=5,
+                          **gpu),
+            report.record(section="end-to-end", config="ddp_apex O2 channels_last", data_backend="dali", workers=12,
+                          note=sections.DALI_MISSING, **gpu)]
     path = tmp_path / "h100.csv"
-    bench.write_csv(rows, path)
+    report.write_csv(rows, path)
     text = results.bench_section([str(path)])
     assert "images/s and ms/step are the medians, the spread is (max - min) / median of its images/s" in text
     assert ("| section | configuration | precision | memory format | data | workers | images/s | spread (repeats) | "
@@ -146,7 +146,7 @@ def test_bench_tables_show_the_median_spread_mfu_and_gpu_state_where_measured(tm
     assert ("- MFU: the model's FLOP/s at the row's median images/s over the device's peak for the row's precision; "
             "24.3 GFLOP per training image of resnet50 at 224 px (forward and backward, as torch.utils.flop_counter "
             "counts them); peak 989.4 TFLOP/s for O2 fp16, 494.7 TFLOP/s for fp32 (NVIDIA's datasheets, dense, TF32 "
-            "for fp32 rows from Ampere on: common/tools/bench.py GPU_PEAK_TFLOPS)") in text
+            "for fp32 rows from Ampere on: common/tools/bench/flops.py GPU_PEAK_TFLOPS)") in text
     assert "- GPU state: nvidia-smi read every 0.5 s while the row's processes ran" in text
     assert "- train: ResNet-50 AMP + channels-last, spread of its 3 repeats: 6.5% (target <= 5%: NOT met)" in text
     assert ("- end-to-end: ddp_apex O2 channels_last with --data-backend dali: not measured (not installed: pip "

@@ -303,14 +303,14 @@ def linked_step_ms(pair: VethPair, workload: Workload, hook: str, logdir: Path, 
 # --- prediction ------------------------------------------------------------------------------------------------
 
 def measure_allreduce(pair: VethPair, sizes: Sequence[int] = ALLREDUCE_SIZES, timeout: float = 120) -> List[dict]:
-    """gloo's all-reduce between the namespaces (common.tools.comm_bench, one
-    process in each, one thread): rows as the benchmark's comm section writes
+    """gloo's all-reduce between the namespaces (common.tools.bench.comm_bench,
+    one process in each, one thread): rows as the benchmark's comm section writes
     them (section comm, size_bytes, time_us, busbw_gbytes_per_s, world_size, nodes)."""
     url = f"tcp://{pair.addresses[0]}:{free_port()}"
     processes = []
     for rank in range(2):
-        argv = [sys.executable, "-m", "common.tools.comm_bench", "--init", url, "--rank", str(rank), "--world-size", "2",
-                "--sizes", *map(str, sizes), "--iterations", "5", "--budget-seconds", "3"]
+        argv = [sys.executable, "-m", "common.tools.bench.comm_bench", "--init", url, "--rank", str(rank),
+                "--world-size", "2", "--sizes", *map(str, sizes), "--iterations", "5", "--budget-seconds", "3"]
         environment = {**ONE_THREAD, "GLOO_SOCKET_IFNAME": pair.interfaces[rank]}
         processes.append(subprocess.Popen(pair.command(rank, argv, environment), cwd=REPO, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))

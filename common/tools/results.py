@@ -21,9 +21,9 @@ from typing import List, Optional, Sequence
 
 from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main
-from common.tools import bench, plots
-from common.tools.bench import as_number
-from common.tools.data_scale import data_scale_lines
+from common.tools import plots
+from common.tools.bench import flops, report, targets
+from common.tools.bench.report import as_number
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
@@ -187,12 +187,10 @@ def bench_section(paths: Sequence[str]) -> str:
     machine and versions it ran on and the ratios of its targets. The columns
     that the harness has written since issue 19 (repeats and spread, MFU, the
     GPU's clock, power and temperature) are shown for the CSVs that have them."""
-    import pandas
-
     tables = []
     for path in paths:
         try:
-            rows = pandas.read_csv(path, keep_default_na=False).to_dict("records")
+            rows = report.read_csv(path)
         except (OSError, ValueError) as error:
             raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
         if rows:
@@ -201,7 +199,8 @@ def bench_section(paths: Sequence[str]) -> str:
              "Measured by `python -m common.tools.bench` (`make bench`): every configuration in a fresh process, warm-up "
              "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
              "are side by side. The reference rows are the plain PyTorch loop and input pipeline "
-             "(common/tools/bench.py). No GPU figure appears unless a GPU table is below: none is estimated."
+             "(common/tools/bench/measurements.py). No GPU figure appears unless a GPU table is below: none is "
+             "estimated."
              + (" Where a table has a spread column, each configuration was measured that many times (repeats, "
                 "each in a fresh process, round-robin over the configurations): images/s and ms/step are the "
                 "medians, the spread is (max - min) / median of its images/s."
@@ -220,12 +219,12 @@ def bench_section(paths: Sequence[str]) -> str:
             columns = _bench_columns(speed)
             parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
                       ""]
-        if scale:  # the data-scale section (common/tools/data_scale.py): its own columns
+        if scale:  # the data-scale section (common/tools/bench/data_scale.py): its own columns
             parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
                             [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
                               number(as_number(row.get("list_mib")), 1),
                               number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
-        if comm:  # the comm section (common/tools/comm_bench.py): nccl-tests' algbw and busbw
+        if comm:  # the comm section (common/tools/bench/comm_bench.py): nccl-tests' algbw and busbw
             parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
                             [[row["config"] + _note(row), row["world_size"], row["backend"],
                               number(as_number(row.get("time_us")), 1),
@@ -238,8 +237,8 @@ def bench_section(paths: Sequence[str]) -> str:
                               number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
                               number(as_number(row.get("exposed_comm_ms")), 1),
                               number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
-        parts += [f"- {line}" for line in _bench_notes(speed) + bench.ratios(speed) + data_scale_lines(scale)
-                  + bench.comm_lines(comm)]
+        parts += [f"- {line}" for line in _bench_notes(speed) + targets.ratios(speed)
+                  + targets.data_scale_lines(scale) + targets.comm_lines(comm)]
     return "\n".join(parts)
 
 
@@ -276,15 +275,16 @@ def _bench_notes(rows: List[dict]) -> List[str]:
     if measured:
         counted = sorted({(row["arch"], row["image_size"], as_number(row["gflop_per_image"])) for row in measured})
         peaks = sorted({(row["precision"], as_number(row["peak_tflops"])) for row in measured})
-        from_datasheets = all(bench.gpu_peak_tflops(str(row["device_name"]), row["precision"]) ==
+        from_datasheets = all(flops.gpu_peak_tflops(str(row["device_name"]), row["precision"]) ==
                               as_number(row["peak_tflops"]) for row in measured)
         notes.append("MFU: the model's FLOP/s at the row's median images/s over the device's peak for the row's "
                      "precision; " + ", ".join(f"{gflop:.3g} GFLOP per training image of {arch} at {size} px"
                                                for arch, size, gflop in counted)
                      + " (forward and backward, as torch.utils.flop_counter counts them); peak "
                      + ", ".join(f"{peak:g} TFLOP/s for {precision}" for precision, peak in peaks)
-                     + (" (NVIDIA's datasheets, dense, TF32 for fp32 rows from Ampere on: common/tools/bench.py "
-                        "GPU_PEAK_TFLOPS)" if from_datasheets else " (given to the harness with --peak-tflops)"))
+                     + (" (NVIDIA's datasheets, dense, TF32 for fp32 rows from Ampere on: "
+                        "common/tools/bench/flops.py GPU_PEAK_TFLOPS)" if from_datasheets
+                        else " (given to the harness with --peak-tflops)"))
     if _present(rows, "sm_clock_mhz"):
         notes.append("GPU state: nvidia-smi read every 0.5 s while the row's processes ran, the samples with a "
                      "kernel running (utilization above 0) counted: median SM clock and power, highest "

@@ -9,6 +9,7 @@ scan; on the small one a restart), the file list's
 memory in each process, and what a forked data-loading worker copies of it
 by reading every sample once (an epoch); the last two also for the list of
 (path, class) tuples the samples were held in before common.dataset_lists.
+The lines that hold these rows against the targets are targets.data_scale_lines.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import List
 
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MIB = 2 ** 20
 SOURCES = 64  # tiny JPEGs the tree's files link to: 20,000 links each at ImageNet's size (ext4 allows 65,000)
 
@@ -128,40 +129,3 @@ def data_scale_rows(cache: Path, classes: int, per_class: int) -> List[dict]:
         copied = row["note"] or f"a forked reader of every sample copies {row['worker_copied_mib']:.1f} MiB"
         print(f"data-scale {row['config']}: {row['list_mib']:.1f} MiB, {copied}", flush=True)
     return [{"section": "data-scale", "data_backend": "", "workers": 0, **row} for row in rows]
-
-
-IMAGENET_TRAIN = 1_281_000  # the targets' tree: 1,000 classes x 1,281
-
-
-def data_scale_lines(rows: List[dict]) -> List[str]:
-    """The targets, against the rows: the cached restart on the large tree
-    over one on the small tree, the list's memory, a worker's copy. They are
-    stated for ImageNet's size; on a smaller tree the figures are given
-    without a verdict."""
-    full_size = any(row["section"] == "data-scale" and row["config"].startswith(f"{IMAGENET_TRAIN:,} images")
-                    for row in rows)
-    timed = [row for row in rows if row["section"] == "data-scale" and str(row.get("seconds", "")) not in ("", "nan")]
-    small = min((int(row["config"].split(" ")[0].replace(",", "")) for row in timed), default=0)
-    seconds = {("small " if int(row["config"].split(" ")[0].replace(",", "")) == small else "")
-               + row["config"].split(", ", 1)[1]: float(row["seconds"]) for row in timed}
-    lists = [row for row in rows if row["section"] == "data-scale" and "as FileList" in row["config"]]
-    lines = []
-
-    def verdict(good: bool) -> str:
-        return ("met" if good else "NOT met") if full_size else f"target at {IMAGENET_TRAIN:,} images"
-
-    if "restart (cached scan)" in seconds and "small restart (cached scan)" in seconds:
-        extra = seconds["restart (cached scan)"] - seconds["small restart (cached scan)"]
-        lines.append(f"data-scale: a cached restart on the large tree over one on the small tree: {extra:+.2f} s "
-                     f"(the large tree's first start, which scans it: "
-                     f"{seconds.get('first start (scans DATA)', float('nan')):.1f} s; target <= +0.5 s: "
-                     f"{verdict(extra <= 0.5)})")
-    for row in lists:
-        if row["worker_copied_mib"] in ("", None):
-            continue
-        lines.append(f"data-scale: the training list per process: {float(row['list_mib']):.1f} MiB (target <= 50 MB: "
-                     f"{verdict(float(row['list_mib']) * MIB <= 50e6)}); a forked worker's copy over an epoch: "
-                     f"{float(row['worker_copied_mib']):.2f} MiB (target <= 10 MB: "
-                     f"{verdict(float(row['worker_copied_mib']) * MIB <= 10e6)})")
-    return lines
-

@@ -1,4 +1,4 @@
-"""The processes of the benchmark's comm and scaling sections (common.tools.bench):
+"""The processes of the benchmark's comm and scaling sections (common.tools.bench.sections):
 what runs inside each of the N processes they start.
 
   comm     all-reduce of float32 tensors of each size, warm-up then timed
@@ -16,7 +16,7 @@ what runs inside each of the N processes they start.
 Also a command, for processes started one per machine (or per network
 namespace, as common.tools.link_validation does):
 
-    python -m common.tools.comm_bench --init tcp://HOST:PORT --rank R --world-size N --sizes 4096 67108864
+    python -m common.tools.bench.comm_bench --init tcp://HOST:PORT --rank R --world-size N --sizes 4096 67108864
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -41,7 +40,7 @@ from common.errors import run_main
 from common.tools.scaling import bus_bandwidth
 
 KIB, MIB = 1 << 10, 1 << 20
-# When run alone (python -m common.tools.comm_bench): the CPU sizes of `make bench` (bench.comm_sizes_default).
+# When run alone (python -m common.tools.bench.comm_bench): the CPU sizes of `make bench` (cli.comm_sizes_default).
 CPU_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
 
 
@@ -173,7 +172,7 @@ def spawned(kind: str, spec: dict, cfg: Optional[Config] = None) -> object:
 # --- the command: one process of an all-reduce measurement ---------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m common.tools.comm_bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m common.tools.bench.comm_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--init", required=True, metavar="URL", help="tcp://HOST:PORT of rank 0")
     parser.add_argument("--rank", type=non_negative_int, required=True)
     parser.add_argument("--world-size", type=positive_int, required=True)

@@ -1,0 +1,8 @@
+"""`python -m common.tools.bench`: the benchmark's command (cli.main)."""
+from common.errors import run_main
+from common.tools.bench.cli import build_parser, main  # build_parser: what the docs' commands are checked against
+
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,165 @@
+"""What a measured process does (python -m common.tools.bench --child SPEC,
+started by processes.run_child): the plain references, written out in full
+as users know them (the training loop and the input pipeline); the project's
+input pipeline timed alone; and the comm and scaling sections' processes
+(comm_bench). Also the file order every input measurement reads in, whose
+files the sections read once beforehand (warm_page_cache).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Dict
+
+SCALING_POWERSGD_START_STEP = 2  # the first step PowerSGD may compress at (common.comm): within the warm-up
+
+
+# --- the plain references, written out in full, as users know them ---
+
+def reference_train_loop(arch: str, batch_size: int, image_size: int, device: str, warmup_steps: int,
+                         steps: int) -> Dict[str, float]:
+    """The plain training loop on one synthetic batch: fp32, NCHW,
+    torch.optim.SGD's defaults, .item() every step. Times `steps` steps after
+    `warmup_steps`, with the device synchronised at both ends."""
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True  # as the scripts (and pytorch/examples) set it: fixed input sizes
+    model = torchvision.models.get_model(arch, num_classes=1000).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    criterion = torch.nn.CrossEntropyLoss()
+    images = torch.randn(batch_size, 3, image_size, image_size, device=device)
+    target = torch.randint(0, 1000, (batch_size,), device=device)
+    model.train()
+    started = None
+    for step in range(warmup_steps + steps):
+        if step == warmup_steps:
+            _synchronize(device)
+            started = time.perf_counter()
+        loss = criterion(model(images), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss.item()
+    _synchronize(device)
+    seconds = time.perf_counter() - started
+    return {"images_per_second": steps * batch_size / seconds, "ms_per_step": 1000.0 * seconds / steps,
+            "peak_memory_mib": _peak_memory_mib(device)}
+
+
+def reference_input(root: str, image_size: int, batch_size: int, workers: int):
+    """The plain input pipeline: ImageFolder, Pillow transforms to float32, default collation."""
+    import torch
+    from torchvision import datasets, transforms
+
+    from common.pipelines import IMAGENET_MEAN, IMAGENET_STD
+
+    transform = transforms.Compose([
+        transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    dataset = datasets.ImageFolder(os.path.join(root, "train"), transform)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=_same_order(len(dataset), batch_size),
+                                       num_workers=workers, drop_last=True, pin_memory=torch.cuda.is_available())
+
+
+def _same_order(length: int, batch_size: int):
+    """The shuffle every configuration of the input section reads in (the
+    project's epoch-0 order, seed 0, which the scripts' first epoch also
+    takes), so all read the same files."""
+    from common.data import TrainSampler
+
+    sampler = TrainSampler(length, rank=0, world_size=1, batch_size=batch_size, seed=0)
+    sampler.set_epoch(0)
+    return sampler
+
+
+def warm_page_cache(root: str, images: int, batch_size: int) -> None:
+    """Read once the files the first `images` of that order name, which the
+    input and end-to-end sections will read, so that no configuration (nor
+    repeat) is timed on a colder file cache than another."""
+    from common.dataset_lists import scan_split
+
+    _, samples = scan_split(Path(root, "train"))
+    for index in list(_same_order(len(samples), batch_size))[:images]:
+        Path(samples[index][0]).read_bytes()
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_memory_mib(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux: this process's peak
+
+
+# --- the project's input pipeline, timed alone; the dispatch of a --child ---
+
+def measure_input(backend: str, root: str, image_size: int, batch_size: int, workers: int, batches: int,
+                  device: str) -> Dict[str, float]:
+    """Batches per second of training crops, finished on the device as the
+    end-to-end configuration takes them (channels-last: imagenet_nd.py's
+    default on the CPU, the AMP configuration's on a GPU; the reference's
+    float NCHW batches only move), after one warm-up batch."""
+    import torch
+
+    from common import cli, data, distributed
+    from common.device_input import DeviceInput
+
+    dali = None  # --data-backend dali's decoder, which finishes its batches on the device
+    if backend == "reference":
+        loader = reference_input(root, image_size, batch_size, workers)
+    else:
+        cfg = cli.parse("nd", [root, "-b", str(batch_size), "-j", str(workers), "--image-size", str(image_size),
+                               "--data-backend", backend, "--device", device])
+        loaders = data.build_loaders(cfg, distributed.single_process(device))
+        loaders.set_epoch(0)
+        loader, dali = loaders.train, loaders.dali
+    finish = DeviceInput(torch.device(device), channels_last=backend != "reference")
+    images, started = 0, None
+    for index, batch in enumerate(loader):
+        if backend == "reference":  # (images, target) pairs
+            batch = data.Sample(*batch, file_bytes=0)
+        finished = finish.batch(batch, dali)
+        if index == 0:
+            _synchronize(device)
+            started = time.perf_counter()
+        else:
+            images += len(finished.target)
+        if index == batches:
+            break
+    _synchronize(device)
+    seconds = time.perf_counter() - started
+    return {"images_per_second": images / seconds, "images_per_second_per_worker": images / seconds / max(workers, 1),
+            "ms_per_step": 1000.0 * seconds / max(index, 1), "peak_memory_mib": _peak_memory_mib(device)}
+
+
+def child(spec: dict) -> dict:
+    """The measurement `spec` asks for, in this process (for comm and scaling:
+    in spec["world_size"] processes it starts, comm_bench)."""
+    if spec["kind"] in ("comm", "scaling"):
+        from common import cli
+        from common.ports import free_port
+        from common.tools.bench import comm_bench
+
+        spec = dict(spec, init_method=f"tcp://127.0.0.1:{free_port()}")
+        if spec["kind"] == "comm":
+            return {"sizes": comm_bench.spawned("comm", spec)}
+        flags = ["--synthetic", "-a", spec["arch"], "-b", str(spec["batch_size"]), "--image-size",
+                 str(spec["image_size"]), "--ddp-comm-hook", spec["hook"]]
+        if spec["hook"] == "powersgd":  # compressing from the second step: within the measured ones
+            flags += ["--powersgd-start-step", str(SCALING_POWERSGD_START_STEP)]
+        return comm_bench.spawned("scaling", spec, cli.parse("ddp", flags))
+    if spec["kind"] == "reference-train":
+        return reference_train_loop(spec["arch"], spec["batch_size"], spec["image_size"], spec["device"],
+                                    spec["warmup_steps"], spec["steps"])
+    return measure_input(spec["backend"], spec["root"], spec["image_size"], spec["batch_size"], spec["workers"],
+                         spec["batches"], spec["device"])

@@ -1,0 +1,41 @@
+"""The settings one run of the benchmark measures with (Settings): what the
+command line resolved, with the device's defaults, read by every section.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from common.tools.bench.gpu_monitor import GpuMonitor
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    device: str
+    arch: str
+    batch_size: int
+    image_size: int
+    warmup_steps: int
+    steps: int
+    workers: Sequence[int]
+    data: Optional[str]
+    input_batches: int
+    repeats: int = 1  # measurements of each train and end-to-end configuration, each in a fresh process
+    input_repeats: int = 1  # the same for the input section
+    backends: Sequence[str] = ("torchvision",)  # the end-to-end section's data backends
+    measure_emulated: bool = False  # time half-precision configurations this device only emulates (slowly)
+    peak_tflops: Optional[float] = None  # the device's peak for MFU, instead of flops.GPU_PEAK_TFLOPS's
+    gpu: Optional[GpuMonitor] = None  # samples the GPU's state while each measured process runs
+    comm_world_size: int = 2  # processes of the comm and scaling sections
+    comm_sizes: Sequence[int] = ()  # all-reduce sizes (bytes) of the comm section
+
+    @property
+    def synthetic_workers(self) -> int:
+        """-j of the scripts' synthetic-data runs. On a GPU the loop is
+        launch-bound, so a batch assembled in the training process (-j 0:
+        256 copies and a stack) lengthens every step: on an H200 (2026-11-26,
+        ResNet-50 O2 b256) -j 0 gave 3,793 images/s (median of 3), one run
+        with the scripts' default -j 4 4,213 with the profiler on for 10 of
+        its 16 measured steps. On the CPU workers would take the cores the
+        step computes on."""
+        return 4 if self.device == "cuda" else 0
