@@ -54,7 +54,7 @@ class Sample(NamedTuple):
     them into the same shape, with tensors (collate). `image` is a 3 x S x S
     uint8 tensor (torchvision backend, synthetic data), a normalised float
     one (pil) or the file for the GPU to decode (gpu; an EncodedBatch once
-    collated): common.pipelines.DeviceInput finishes each on the device.
+    collated): common.device_input.DeviceInput finishes each on the device.
     `file_bytes` is what reading the image took from storage (0 for
     synthetic data): summed over a split and over processes it is the exact
     volume the input pipeline read."""
@@ -66,7 +66,7 @@ class Sample(NamedTuple):
     # it could not be read; -1 and "" for a sample that is itself.
     bad_index: int = -1
     bad_reason: str = ""
-    # This image's dataset index when it is above Pillow's decompression-bomb limit (pipelines.large_pixels):
+    # This image's dataset index when it is above Pillow's decompression-bomb limit (image_files.large_pixels):
     # counted and one named by the training loop (BadImages), instead of Pillow's anonymous warning.
     large_index: int = -1
 
@@ -218,7 +218,7 @@ class SyntheticImages(Dataset):
     """Random uint8 images with labels, for benchmarks: a small pool
     generated once from `seed` and repeated, so fetching a sample costs a
     copy, not a random draw or a disk read; the device normalises them as it
-    does decoded files (common.pipelines.DeviceInput)."""
+    does decoded files (common.device_input.DeviceInput)."""
 
     POOL_SIZE = 64
 
@@ -319,7 +319,7 @@ class Loaders:
     backend: str = "torchvision"  # --data-backend
     jpeg_decoder: Optional[JpegDecoder] = None  # None: synthetic data
     dali: Optional[DaliDecoder] = None  # --data-backend dali: decodes the JPEGs on the device (DeviceInput)
-    notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (engine.run)
+    notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (session.run)
 
     @property
     def num_classes(self) -> int:
@@ -382,7 +382,7 @@ def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) ->
 
 def jpeg_decoder(data_backend: str, synthetic: bool) -> Optional[JpegDecoder]:
     """Which library decodes the run's JPEGs, chosen once for both splits
-    and all data-loading workers (pipelines.choose_jpeg_decoder); Pillow's
+    and all data-loading workers (jpeg_decoders.choose_jpeg_decoder); Pillow's
     for --data-backend pil, None for synthetic data."""
     if synthetic:
         return None

@@ -13,7 +13,7 @@ import random
 import socket
 
 # Below the ephemeral ports, above most services' well-known ones; tests also aim at ranges of their own
-# (the ports Slurm job ids derive, common.launch.slurm_port).
+# (the ports Slurm job ids derive, common.launcher.slurm_port).
 DEFAULT_RANGE = (20000, 30000)
 
 
