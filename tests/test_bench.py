@@ -529,8 +529,10 @@ def test_repeats_run_in_fresh_processes_and_rows_carry_the_gpu_state_and_mfu(tmp
         assert (row["sm_clock_mhz"], row["power_w"], row["temperature_c"], row["throttle_reasons"]) == (
             1755, 612.2, 67, "sw_power_cap")
         assert row["gpu_samples"] >= 2
+        # mfu_percent is rounded to 2 places (report.ROUNDED): on a loaded 2-core machine a row trains at ~1
+        # image/s, an MFU of ~0.1%, where that rounding alone (up to 0.005) is more than 1% of it.
         assert row["mfu_percent"] == pytest.approx(row["images_per_second"] * row["gflop_per_image"] / 500 * 100,
-                                                   rel=0.01)
+                                                   rel=0.01, abs=0.006)
     assert set((nvidia_smi / "calls").read_text().splitlines()) == {
         "--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active "
         "--format=csv,noheader,nounits -i 3"}
