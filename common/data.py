@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import random
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -244,6 +245,7 @@ class ShardSampler(Sampler):
 
     def __init__(self, length: int, rank: int, world_size: int):
         self.indices = range(rank, length, world_size)
+        self.largest_shard = len(range(0, length, world_size))  # rank 0's: no shard holds more
 
     def __iter__(self):
         return iter(self.indices)
@@ -342,6 +344,11 @@ class Loaders:
     @property
     def global_batch(self) -> int:
         return self.train.sampler.global_batch
+
+    def primary_val_steps(self) -> int:
+        """Validation steps of the primary, whose shard is the largest
+        (ShardSampler): its count decides every process's warm-up."""
+        return math.ceil(self.val.sampler.largest_shard / self.val.batch_size)
 
     def summary(self) -> str:
         synthetic = isinstance(self.train.dataset, SyntheticImages)

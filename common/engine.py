@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import random
 import time
@@ -413,9 +412,7 @@ class Trainer:
         steps = len(loader)
         sums = MetricSums(self.ctx.device, loaders.num_classes)
         progress = self.log.progress_meter("val", epoch, steps)
-        # The primary's shard is the largest (ShardSampler): its step count decides everyone's warm-up.
-        primary_steps = math.ceil(math.ceil(len(loader.dataset) / self.ctx.world_size) / loader.batch_size)
-        timer = StepTimer(primary_steps, self.warmup_steps, self.ctx.devices)
+        timer = StepTimer(loaders.primary_val_steps(), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loader.dataset)
         for step, batch in enumerate(self._input(loader, loaders.dali)):
             timer.batch_ready()
