@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 COMMON = REPO / "common"
 MAX_CLASS_LINES = 150

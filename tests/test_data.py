@@ -18,7 +18,7 @@ from common.data import ShardSampler, build_loaders, scan_split
 from common.pipelines import BadImageError, read_rgb
 from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
-from conftest import FAST_ARGS, make_image_folder
+from helpers import FAST_ARGS, make_image_folder
 
 CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

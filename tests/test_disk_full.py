@@ -23,7 +23,7 @@ import torch
 from common import checkpoint, cli, distributed, engine, errors, measure, rundir, telemetry
 from common.checkpoint import ResumePoint
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
-from conftest import REPO, make_image_folder
+from helpers import REPO, csv_rows, make_image_folder, metrics_rows
 
 MIB = 2 ** 20
 
@@ -83,8 +83,7 @@ def test_an_append_cut_short_by_a_full_disk_is_undone(tmp_path, monkeypatch):
     assert path.read_bytes() == before  # not a byte of the half row left
     assert not (tmp_path / "io.csv").exists()  # a new file that got nothing whole is not left empty
     rundir.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
-    with open(path, newline="") as handle:
-        assert list(csv.DictReader(handle)) == [{"epoch": "0", "loss": "2.5"}, {"epoch": "1", "loss": "1.5"}]
+    assert csv_rows(path) == [{"epoch": "0", "loss": "2.5"}, {"epoch": "1", "loss": "1.5"}]
 
 
 def test_a_rewrite_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -157,8 +156,7 @@ def test_the_logs_survive_a_full_disk_with_one_warning_each_and_nothing_cut_shor
     assert "Traceback" not in err and "Exception in thread" not in err, err
     assert "metrics.csv [INCOMPLETE: writes failed (No space left on device)]" in out
     # What was written is whole: every metrics row complete, every event readable to the file's end.
-    with open(run_dir.path / "metrics.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = metrics_rows(run_dir.path)
     assert rows and all(None not in row and row["split"] in ("train", "val") for row in rows)
     assert [int(row["epoch"]) for row in rows[:2]] == [0, 0]
     assert _events_in(run_dir.path) >= 1 and _events_in(run_dir.path / "steps") >= 1
@@ -272,8 +270,7 @@ def test_a_run_whose_disk_fills_warns_and_stops_with_one_line_and_status_74(tmp_
         before = sizes(disk)
         out, err = process.communicate(timeout=600)
         after = sizes(disk)
-        with open(run_dir / "metrics.csv", newline="") as handle:
-            rows = list(csv.DictReader(handle))
+        rows = metrics_rows(run_dir)
         newest_epoch = checkpoint.load(str(run_dir / "checkpoint.pth.tar"))["epoch"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -16,7 +16,6 @@ starts its workers in sessions of their own, so process groups are not enough).
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -30,9 +29,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import REPO, free_port, make_image_folder, running
+from conftest import free_port
+from helpers import (REPO, load_checkpoint, make_image_folder, max_abs_diff, metrics_rows, running, single_run_dir,
+                     weights)
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCRIPT = REPO / "imagenet_ddp.py"
@@ -280,30 +280,16 @@ def spawned_workers(parent: int, tag: str) -> list:
 
 # --- run directories ---
 
-def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
-
-
-def metric_rows(run_dir: Path) -> list:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
 def assert_each_epoch_once(run_dir: Path, epochs: int = EPOCHS, reference: Path | None = None):
     """metrics.csv has one train and one val row per epoch, in order, each
     counting the whole epoch; with a reference run, the same numbers."""
-    rows = metric_rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [(row["epoch"], row["split"]) for row in rows] == \
         [(str(epoch), split) for epoch in range(epochs) for split in ("train", "val")], rows
     for row in rows:
         assert int(row["images"]) == (TRAIN_IMAGES if row["split"] == "train" else VAL_IMAGES), row
     if reference is not None:
-        for row, expected in zip(rows, metric_rows(reference)):
+        for row, expected in zip(rows, metrics_rows(reference)):
             assert (row["images"], row["steps"], row["lr"]) == (expected["images"], expected["steps"], expected["lr"])
             for column in ("loss", "top1", "top5"):
                 assert float(row[column]) == pytest.approx(float(expected[column]), abs=1e-4), (column, row, expected)
@@ -398,8 +384,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_with_the_uninterrupted_weigh
     path, resumed_epoch, resumed_step = continued_from(output)
     assert path.parent == run_dir and resumed_epoch == 0 and step <= resumed_step < STEPS_PER_EPOCH, output
     assert output.count("finished 2 epochs") == 1, output
-    assert max_abs_diff(load_checkpoint(run_dir / "checkpoint.pth.tar")["state_dict"],
-                        load_checkpoint(torchrun_reference / "checkpoint.pth.tar")["state_dict"]) <= 1e-6
+    assert max_abs_diff(weights(run_dir), weights(torchrun_reference)) <= 1e-6
     assert_each_epoch_once(run_dir, reference=torchrun_reference)
     assert launcher.leftovers(wait=10) == []
 
@@ -494,8 +479,7 @@ def test_sigusr1_under_slurm_stops_every_rank_at_one_step_requeues_once_and_resu
     resumed_from, resumed_epoch, resumed_step = continued_from(again.output)
     assert resumed_from.parent == run_dir and (resumed_epoch, resumed_step) == (epoch, step), again.output
     assert step_counts(steps_after) == [EPOCHS * STEPS_PER_EPOCH - step] * 2  # no step repeated, none missing
-    assert max_abs_diff(load_checkpoint(run_dir / "checkpoint.pth.tar")["state_dict"],
-                        load_checkpoint(spawned_reference / "checkpoint.pth.tar")["state_dict"]) <= 1e-6
+    assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6
     assert_each_epoch_once(run_dir, reference=spawned_reference)
     assert calls.read_text().splitlines() == [f"requeue {SLURM_JOB}"]  # a finished run requeues nothing
 
@@ -572,8 +556,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one_and_never_
         second.output
     assert "starting from scratch" not in second.output
     # The previous checkpoint is mid-epoch or an epoch end; either way the run ends as an uninterrupted one.
-    assert max_abs_diff(load_checkpoint(newest)["state_dict"],
-                        load_checkpoint(spawned_reference / "checkpoint.pth.tar")["state_dict"]) <= 1e-6
+    assert max_abs_diff(weights(newest), weights(spawned_reference)) <= 1e-6
     assert_each_epoch_once(run_dir, reference=spawned_reference)
 
     # Every checkpoint damaged: an error, exit 2, and the run directory as it was.
@@ -597,14 +580,11 @@ def two_node_torchrun(node_rank: int, master: str, port: int) -> list:
 
 
 def assert_two_node_run(logdir: Path, outputs: list, spawned_reference: Path):
-    run_dirs = [path for path in logdir.iterdir() if path.is_dir()]
-    assert len(run_dirs) == 1, run_dirs  # only rank 0 writes
-    run_dir = run_dirs[0]
+    run_dir = single_run_dir(logdir)
     environment = json.loads((run_dir / "config.json").read_text())["environment"]
     assert (environment["world_size"], environment["launcher"]) == (2, "torchrun")
     assert_each_epoch_once(run_dir, reference=spawned_reference)
-    assert max_abs_diff(load_checkpoint(run_dir / "checkpoint.pth.tar")["state_dict"],
-                        load_checkpoint(spawned_reference / "checkpoint.pth.tar")["state_dict"]) <= 1e-6
+    assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6
     assert sum(output.count(f"finished {EPOCHS} epochs") for output in outputs) == 1, outputs
 
 
@@ -681,8 +661,7 @@ def test_two_nodes_in_two_network_namespaces_train_as_one_job(data, tmp_path, la
     assert_two_node_run(tmp_path, [node.output for node in nodes], spawned_reference)
     # The gradients crossed the veth pair: 12 all-reduces of SqueezeNet 1.0's 0.74 M float32 parameters
     # (~3 MB each way per step) are at least 12 x 3 MB in each direction.
-    parameters = sum(value.numel() for value in load_checkpoint(
-        spawned_reference / "checkpoint.pth.tar")["state_dict"].values())
+    parameters = sum(value.numel() for value in weights(spawned_reference).values())
     for namespace, interface, _ in two_namespaces:
         for direction in ("tx", "rx"):
             assert interface_bytes(namespace, interface, direction) >= EPOCHS * STEPS_PER_EPOCH * parameters * 4 * 0.5

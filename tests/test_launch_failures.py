@@ -15,7 +15,8 @@ import torch
 
 from common import cli
 from common.launch import Launch, RendezvousError, _join_process_group, join_log_causes
-from conftest import REPO, free_port
+from conftest import free_port
+from helpers import REPO
 
 # rank 1 of 2, node 0 named no-such-node.invalid: what stays when the name does not resolve
 UNRESOLVED_LOG = """\

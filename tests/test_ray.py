@@ -9,7 +9,6 @@ The end-to-end tests need Ray (requirements-ray.txt; CI installs it) and are
 slow (Ray's start-up is 10-20 s a run); the input checks run everywhere."""
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import os
@@ -25,8 +24,9 @@ import pandas as pd
 import pytest
 
 from common.errors import UsageError
-from conftest import REPO, free_port, make_image_folder, run_command
-from test_ddp import ENV, MODEL, assert_one_line_error, max_abs_diff, metrics, single_run_dir, weights
+from conftest import free_port
+from helpers import (ENV, MODEL, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
+                     run_command, single_run_dir, weights)
 
 RAY_INSTALLED = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not RAY_INSTALLED, reason="Ray is not installed (pip install -r requirements-ray.txt)")
@@ -105,11 +105,6 @@ def kill_a_worker_other_than(rank0_pid: int) -> int:
     return victims[0]
 
 
-def rows(run_dir: Path):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
 # --- the same run as the spawned DDP run ---
 
 @pytest.fixture(scope="module")
@@ -157,10 +152,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     assert re.search(r"--resume auto: continuing \S+checkpoint-epoch000-images\d+\.pth\.tar \(epoch 0 after", output)
     assert "later metrics rows" not in output  # killed mid-epoch 0: nothing of it logged before
     run_dir = single_run_dir(tmp_path / "runs")
-    assert [(row["epoch"], row["split"]) for row in rows(run_dir)] == [("0", "train"), ("0", "val"), ("1", "train"),
-                                                                      ("1", "val")]
+    assert [(row["epoch"], row["split"]) for row in metrics_rows(run_dir)] == [("0", "train"), ("0", "val"),
+                                                                              ("1", "train"), ("1", "val")]
     assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6
-    assert [row["images"] for row in rows(run_dir)] == [row["images"] for row in metrics(spawned_reference)]
+    assert [row["images"] for row in metrics_rows(run_dir)] == [row["images"] for row in metrics(spawned_reference)]
     assert_none_left(before)
 
     # Without a restart left, the run ends with the failure, naming the killed worker, and nothing stays.
@@ -240,7 +235,7 @@ def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_
     assert re.search(r"the checkpoint was written by 2 replicas .* epoch 1 goes on after its first \d+ images", output)
     assert "later metrics rows" not in output
     run_dir = single_run_dir(tmp_path / "runs")
-    logged = [(row["epoch"], row["split"], row["images"]) for row in rows(run_dir)]
+    logged = [(row["epoch"], row["split"], row["images"]) for row in metrics_rows(run_dir)]
     assert logged == [(str(epoch), split, images) for epoch in range(3) for split, images in
                       (("train", "144"), ("val", "9"))]  # every image of each epoch once, however many workers
     assert_none_left(before)
@@ -270,7 +265,7 @@ def test_a_tune_search_on_the_digits_demo_runs_each_trial_in_its_own_run_directo
     run_dirs = sorted(str(path) for path in (tmp_path / "runs").iterdir() if path.is_dir())
     assert run_dirs == sorted(table["run_dir"])
     for _, row in table.iterrows():
-        logged = rows(Path(row["run_dir"]))
+        logged = metrics_rows(Path(row["run_dir"]))
         assert [(line["epoch"], line["split"]) for line in logged] == [("0", "train"), ("0", "val"), ("1", "train"),
                                                                       ("1", "val")]
         assert row["best_val_top1"] == pytest.approx(max(float(line["top1"]) for line in logged
@@ -306,7 +301,7 @@ def test_asha_stops_a_trial_whose_metric_lags_at_its_first_rung(data, tmp_path, 
     assert list(table["epochs"]) == [2, 1] and list(table["last_train_images"]) == [24, 8]
     # The stopped trial's own run directory holds what it ran before Tune stopped it: its first epoch, and
     # here (epochs of a second) maybe the next one, done before the stop arrived.
-    assert [len(rows(Path(run_dir))) >= 2 for run_dir in table["run_dir"]] == [True, True]
+    assert [len(metrics_rows(Path(run_dir))) >= 2 for run_dir in table["run_dir"]] == [True, True]
     assert list(table["best"]) == [True, False]
     assert_none_left(before)
 

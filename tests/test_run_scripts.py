@@ -5,7 +5,6 @@ one line, and with --run (through a local stand-in for ssh) runs them, stops the
 fails, and trains a real two-node job."""
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -21,7 +20,8 @@ import pytest
 import torch
 
 from common.launch import first_slurm_host, slurm_port
-from conftest import REPO, free_port, make_image_folder
+from conftest import free_port
+from helpers import REPO, load_checkpoint, make_image_folder, metrics_rows
 
 RUN_SCRIPTS = REPO / "run_scripts"
 SHELL_FILES = sorted(RUN_SCRIPTS.glob("*.sh")) + sorted(RUN_SCRIPTS.glob("*.sbatch"))
@@ -336,8 +336,7 @@ TINY_TRAINING = ["--device", "cpu", "-a", "squeezenet1_0", "--io-interval", "0",
 
 
 def epoch_rows(run_dir: Path):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [(row["epoch"], row["split"], row["images"], row["steps"]) for row in csv.DictReader(handle)]
+    return [(row["epoch"], row["split"], row["images"], row["steps"]) for row in metrics_rows(run_dir)]
 
 
 @pytest.mark.slow
@@ -452,7 +451,7 @@ def test_torchrun_gives_a_slow_checkpoint_the_warning_time(fake_slurm, tmp_path)
     result, output, run_dir, notes, requeues = stop_with_a_slow_checkpoint(fake_slurm, tmp_path / "default", data)
     assert (notes / "exit-status").read_text() == "75", output  # stopped with its checkpoint: run again
     stop = re.search(r"stopping at epoch 0 step (\d+)/6 on SIGUSR1", output)
-    state = torch.load(run_dir / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    state = load_checkpoint(run_dir / "checkpoint.pth.tar")
     assert stop and (state["epoch"], state["step"]) == (0, int(stop.group(1))), output
     assert requeues == [["requeue", run_dir.name.removeprefix("slurm-")]]
     assert result.returncode == 1  # torchrun's own status after passing a signal on (docs/faults.md)

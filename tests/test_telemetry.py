@@ -2,7 +2,6 @@
 warm-up exclusion, exact dataset bytes over two processes, block-device
 sampling (exact rates from known counters; missing counters stay missing),
 the per-class report against hand-computed values, and TensorBoard tags."""
-import csv
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from torch import nn
 from common import distributed, engine, measure, precision, rundir, schedules, telemetry
 from common.data import Sample
 from common.meters import ClassReport, MetricSums
-from conftest import REPO, make_image_folder, run_script
+from helpers import REPO, csv_rows, make_image_folder, metrics_rows, run_script
 
 # --- throughput and data wait against a known truth ---
 
@@ -159,8 +158,7 @@ def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
                         env_extra={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        rows = {row["split"]: row for row in csv.DictReader(handle)}
+    rows = {row["split"]: row for row in metrics_rows(run_dir)}
     for split in ("train", "val"):
         on_disk = sum(path.stat().st_size for path in (data / split).rglob("*.JPEG"))
         assert int(rows[split]["dataset_bytes"]) == on_disk
@@ -179,8 +177,7 @@ def test_dataset_bytes_are_the_file_sizes_summed_over_two_processes(tmp_path):
         per_interval.Tags()["scalars"])
     assert [event.step for event in per_interval.Scalars("Throughput/train_interval")] == [1, 2, 3]  # -p 1
     # One I/O sampler on this node; its samples reached io.csv through the primary.
-    with open(run_dir / "io.csv", newline="") as handle:
-        samples = list(csv.DictReader(handle))
+    samples = csv_rows(run_dir / "io.csv")
     assert samples and len({row["host"] for row in samples}) == 1
     assert [list(samples[0])] == [measure.IO_COLUMNS]
 
@@ -250,8 +247,7 @@ def test_class_report_matches_hand_computed_values():
 def test_class_report_file_lists_every_class_then_the_averages(tmp_path):
     report = ClassReport.from_confusion(np.array([[2, 0], [1, 1]]))
     telemetry.write_class_report(report, ["cat", "dog"], 4, tmp_path / "r.csv", tmp_path / "c.npy")
-    with open(tmp_path / "r.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = csv_rows(tmp_path / "r.csv")
     assert [row["class"] for row in rows] == ["cat", "dog", "macro avg (2 classes with images)", "micro avg"]
     assert [float(row["precision_percent"]) for row in rows[:2]] == pytest.approx([66.6667, 100.0])
     assert rows[-1]["f1_percent"] == "75.0000" and rows[-1]["support"] == "4" and rows[0]["epoch"] == "4"
@@ -297,8 +293,7 @@ def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_pat
     path.write_text("epoch,split,loss\n0,train,2.5\n")
     rundir.append_rows(path, ["epoch", "split", "loss", "macro_f1"], [{"epoch": 1, "split": "val", "loss": 1.5,
                                                                           "macro_f1": 40.0}])
-    with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = csv_rows(path)
     assert rows == [{"epoch": "0", "split": "train", "loss": "2.5", "macro_f1": ""},
                     {"epoch": "1", "split": "val", "loss": "1.5", "macro_f1": "40.0"}]
 
