@@ -56,9 +56,33 @@ def fill(disk: Path) -> None:
 
 
 def sizes(folder: Path) -> dict:
+    """Each file's size, a TensorBoard events file's up to the end of its last whole record: what the run
+    has written, which no later write may take back.
+
+    A write that fails partway (the disk is full) leaves part of a record after that end and cuts it off
+    again at once (telemetry._FailSafeFile), so the file is never left shorter than before the write.
+    The events are written by each writer's own thread, in this process too, so a size read here can
+    fall between the two: it counts the part, and the cut looks like the file getting shorter. Seen
+    once in `make test` under load (a steps/ events file); a 0.5 s sleep before the sink's cut-back
+    makes it happen every time. The sink is right; reading a file mid-write was the test's race.
+    A CSV file is appended by its process's main thread: here between two reads, in a whole run at
+    epoch ends, not while the disk is being filled; its size is what it holds."""
     # run.lock: the run directory's lock, released (emptied) when the run ends
-    return {path: path.stat().st_size for path in folder.rglob("*")
-            if path.is_file() and path.name not in ("filler", "run.lock")}
+    return {path: _whole_records_size(path) if path.name.startswith("events.out.tfevents.") else path.stat().st_size
+            for path in folder.rglob("*") if path.is_file() and path.name not in ("filler", "run.lock")}
+
+
+def _whole_records_size(path: Path) -> int:
+    """The bytes of an events file's whole records: each its length (8 bytes), the length's CRC (4), the
+    event and its CRC (4); one write of the TensorBoard writer is one record."""
+    data = path.read_bytes()
+    whole = 0
+    while whole + 12 <= len(data):
+        end = whole + 12 + int.from_bytes(data[whole:whole + 8], "little") + 4
+        if end > len(data):
+            break
+        whole = end
+    return whole
 
 
 # --- appends and rewrites: all or nothing ---
