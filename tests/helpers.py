@@ -167,6 +167,70 @@ def running(pid: int) -> bool:
         return False
 
 
+# --- slowed training steps ---
+
+# The sitecustomize.py of slowed runs: imported by every Python process started with slowed_steps()'s
+# variables (PYTHONPATH), it wraps torch.optim.SGD.step when torch.optim.sgd is first imported, without
+# importing torch itself: each step sleeps TEST_STEP_DELAY seconds first and, with TEST_STEP_LOG, writes
+# the process's step count to a file of that folder named by its pid.
+SLOW_STEPS = '''
+import importlib.abc, importlib.machinery, os, sys, time
+
+DELAY = float(os.environ.get("TEST_STEP_DELAY") or 0)
+LOG_DIR = os.environ.get("TEST_STEP_LOG")
+
+
+class SlowSGD(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.optim.sgd":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            step = module.SGD.step
+            count = [0]
+
+            def slow_step(self, *args, **kwargs):
+                time.sleep(DELAY)
+                result = step(self, *args, **kwargs)
+                count[0] += 1
+                if LOG_DIR:
+                    with open(os.path.join(LOG_DIR, str(os.getpid())), "w") as handle:
+                        handle.write(str(count[0]))
+                return result
+
+            module.SGD.step = slow_step
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if DELAY > 0 or LOG_DIR:
+    sys.meta_path.insert(0, SlowSGD())
+'''
+
+
+def write_slow_steps(folder: Path) -> Path:
+    """`folder`, holding SLOW_STEPS as its sitecustomize.py: the PYTHONPATH entry slowed_steps() names."""
+    (folder / "sitecustomize.py").write_text(SLOW_STEPS)
+    return folder
+
+
+def slowed_steps(folder: Path, delay_seconds: float, step_log: Path | None = None) -> dict:
+    """The environment variables that make a command's training processes sleep `delay_seconds` in every
+    optimizer step (and, with `step_log`, count their steps there): room, whatever the machine's speed,
+    for a test to act between two steps. `folder`: from write_slow_steps. Sleeping changes no number."""
+    variables = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+                 "TEST_STEP_DELAY": str(delay_seconds)}
+    if step_log is not None:
+        step_log.mkdir(parents=True, exist_ok=True)
+        variables["TEST_STEP_LOG"] = str(step_log)
+    return variables
+
+
 # --- what a run wrote ---
 
 def single_run_dir(logdir: Path) -> Path:

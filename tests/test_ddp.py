@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import engine, models, pipelines
+from common import engine, launch, models, pipelines
 from common.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from common.rundir import CHECKPOINT_NAME
 from conftest import free_port
@@ -341,16 +341,19 @@ def process_tree(root: int):
 
 
 def start_long_job():
-    """A spawned 2-process run with one data-loading worker each, stopped once it trains."""
+    """A spawned 2-process run with one data-loading worker each, once it trains, and its processes."""
     job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
                  "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1", "--nproc-per-node", "2", "--epochs", "1",
                  "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
     for line in job.stdout:
         if line.startswith("train epoch 0 ["):
             break
-    time.sleep(1.0)
-    tree = process_tree(job.pid)
-    assert len(tree) >= 4, tree  # 2 workers, each with a data-loading process (+ multiprocessing's tracker)
+    # 2 workers, each with a data-loading process (+ multiprocessing's tracker). The first step needed both
+    # workers' batches, so they are all there by now; waited for, not slept for, however slow the machine.
+    deadline = time.monotonic() + 60
+    while len(tree := process_tree(job.pid)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(tree) >= 4, tree
     return job, tree
 
 
@@ -367,12 +370,19 @@ def wait_until_gone(job, tree, seconds):
     return left
 
 
+# How long the processes of a stopped job may take to be gone: the launcher's own deadlines (common.launch:
+# the others' grace after a failure, then SIGTERM and SIGKILL after WORKER_KILL_SECONDS; data-loading
+# processes die with their worker), and as much again for a busy machine's exits. A process that outlives
+# its job never ends, so the margin costs nothing when the test passes and misses no failure.
+GONE_AFTER_A_STOP_SECONDS = 2 * (launch.WORKER_STOP_GRACE_SECONDS + launch.WORKER_KILL_SECONDS) + 10
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
-def test_sigint_to_the_launcher_ends_every_process_within_10_seconds():
+def test_sigint_to_the_launcher_ends_every_process():
     job, tree = start_long_job()
     job.send_signal(signal.SIGINT)
-    left = wait_until_gone(job, tree, 10)
+    left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
     output = job.stdout.read()
     assert left == [] and job.returncode == 130, output
     assert "interrupted" in output and "Traceback" not in output
@@ -387,7 +397,7 @@ def test_a_crashed_worker_stops_the_others():
                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(job.pid)]
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
-    left = wait_until_gone(job, tree, 15)
+    left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
     output = job.stdout.read()
     assert left == [] and job.returncode == 1, output
     assert re.search(r"error: worker rank\d was killed by SIGKILL .*; stopped the other workers", output)

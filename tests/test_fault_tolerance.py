@@ -32,7 +32,7 @@ import pytest
 
 from conftest import free_port
 from helpers import (REPO, load_checkpoint, make_image_folder, max_abs_diff, metrics_rows, running, single_run_dir,
-                     weights)
+                     slowed_steps, weights, write_slow_steps)
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCRIPT = REPO / "imagenet_ddp.py"
@@ -41,7 +41,7 @@ STEPS_PER_EPOCH = 6  # 48 training images, 4 per process x 2 processes
 TRAIN_IMAGES, VAL_IMAGES = 48, 9
 MODEL = ["-a", "squeezenet1_0", "--device", "cpu", "-j", "0", "--image-size", "32", "--val-resize", "32", "-b", "4",
          "--print-freq", "1", "--io-interval", "0", "--seed", "0"]
-STEP_DELAY = "0.5"  # seconds each optimizer step of a slowed run sleeps: room to act between two steps
+STEP_DELAY = 0.5  # seconds each optimizer step of a slowed run sleeps: room to act between two steps
 # Every test here starts, stops and restarts multi-process jobs (tens of seconds each): `make test`
 # leaves them to CI and `make test-all` (docs/tests.md).
 pytestmark = pytest.mark.slow
@@ -53,48 +53,6 @@ CHECKPOINT_LINE = re.compile(r"checkpoint: epoch (\d+) step (\d+)/(\d+) saved to
 CONTINUING_LINE = re.compile(r"--resume auto: continuing (\S+) \(epoch (\d+)(?:, step (\d+)| after (\d+) steps?)?")
 FRESH_LINE = re.compile(r"--resume auto: no checkpoint in (\S+) yet; starting from scratch")
 STOP_LINE = re.compile(r"stopping at epoch (\d+) step (\d+)/(\d+) on SIGUSR1\b[^:]*: checkpoint saved to (\S+)")
-
-# Imported by every Python process of a slowed run (PYTHONPATH): wraps torch.optim.SGD.step
-# when torch.optim.sgd is first imported, without importing torch itself.
-SLOW_STEPS = '''
-import importlib.abc, importlib.machinery, os, sys, time
-
-DELAY = float(os.environ.get("FT_TEST_STEP_DELAY") or 0)
-LOG_DIR = os.environ.get("FT_TEST_STEP_LOG")
-
-
-class SlowSGD(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "torch.optim.sgd":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            run_module(module)
-            step = module.SGD.step
-            count = [0]
-
-            def slow_step(self, *args, **kwargs):
-                time.sleep(DELAY)
-                result = step(self, *args, **kwargs)
-                count[0] += 1
-                if LOG_DIR:
-                    with open(os.path.join(LOG_DIR, str(os.getpid())), "w") as handle:
-                        handle.write(str(count[0]))
-                return result
-
-            module.SGD.step = slow_step
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if DELAY > 0 or LOG_DIR:
-    sys.meta_path.insert(0, SlowSGD())
-'''
-
 
 # --- processes: start, read, find, stop ---
 
@@ -191,12 +149,7 @@ class Launcher:
     def start(self, argv, env_extra=None, slow=False, step_log: Path | None = None) -> Job:
         env_extra = dict(env_extra or {})
         if slow or step_log is not None:
-            env_extra["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.slow_dir),
-                                                                      os.environ.get("PYTHONPATH")]))
-            env_extra["FT_TEST_STEP_DELAY"] = STEP_DELAY if slow else "0"
-            if step_log is not None:
-                step_log.mkdir(parents=True, exist_ok=True)
-                env_extra["FT_TEST_STEP_LOG"] = str(step_log)
+            env_extra.update(slowed_steps(self.slow_dir, STEP_DELAY if slow else 0.0, step_log))
         job = Job(argv, env_extra, self.tag)
         self.jobs.append(job)
         return job
@@ -234,9 +187,7 @@ class Launcher:
 
 @pytest.fixture(scope="module")
 def slow_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("slow-steps")
-    (folder / "sitecustomize.py").write_text(SLOW_STEPS)
-    return folder
+    return write_slow_steps(tmp_path_factory.mktemp("slow-steps"))
 
 
 @pytest.fixture
@@ -432,7 +383,6 @@ def preempt(launcher: Launcher, command: list, env: dict, step_log: Path, signal
     job.wait_for(re.compile(r"train epoch 0 \[2/%d\]" % STEPS_PER_EPOCH))
     for pid in signal_whom(job):
         os.kill(pid, signal.SIGUSR1)
-    job.signalled_at = time.monotonic()
     job.finish(timeout=90)
     output = job.output
     stops = STOP_LINE.findall(output)
@@ -507,8 +457,11 @@ def test_sigusr1_to_torchrun_reaches_its_workers_when_it_is_told_to_forward_it(
     job, _, path = preempt(launcher, command, env, tmp_path / "steps", lambda job: [job.process.pid])
     # torchrun's own status: its workers did not finish, and SIGUSR1 did not kill it.
     assert job.process.returncode not in (0, -signal.SIGUSR1), (job.process.returncode, job.output)
-    # The workers stopped on the signal itself, well before torchrun's SIGKILL 30 s after forwarding it.
-    assert job.ended_at - job.signalled_at < 20, job.output
+    # The workers stopped on the signal itself (preempt: one stop line, the checkpoint of that step) and
+    # exited before torchrun's SIGKILL, 30 s after it forwarded the signal: torchrun says so when it has to
+    # kill (its own words, not a clock, which a busy machine would stretch).
+    assert re.search(r"(closing signal|via signal) SIGUSR1", job.output), job.output  # its log is shown
+    assert "forcefully exiting via" not in job.output, job.output
     assert path.parent == tmp_path / f"slurm-{SLURM_JOB}"  # under Slurm, the Slurm job names the run
     assert calls.read_text().splitlines() == [f"requeue {SLURM_JOB}"]
     assert launcher.leftovers(wait=10) == []

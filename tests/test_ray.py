@@ -26,20 +26,29 @@ import pytest
 from common.errors import UsageError
 from conftest import free_port
 from helpers import (ENV, MODEL, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
-                     run_command, single_run_dir, weights)
+                     run_command, single_run_dir, slowed_steps, weights, write_slow_steps)
 
 RAY_INSTALLED = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not RAY_INSTALLED, reason="Ray is not installed (pip install -r requirements-ray.txt)")
 RAY_TRAIN = REPO / "run_scripts" / "ray_train.py"
 RAY_TUNE = REPO / "run_scripts" / "ray_tune.py"
-# MODEL at 64 pixels: 18 steps of 2 x 4 images per epoch, each some 40 ms on 2 cores, long enough for a
-# worker or a node to be lost mid-epoch after the line that says where training is.
+# MODEL at 64 pixels: 18 steps of 2 x 4 images per epoch.
 RUN = [*MODEL, "--image-size", "64", "--val-resize", "64", "-b", "4", "-j", "0", "--epochs", "2"]
+# A worker or a node is lost mid-epoch, after the line that says where training is: the 16 steps left
+# of the epoch must outlast Ray's forwarding of that line and the test's reading of it. Some 40 ms each
+# on 2 busy cores, they would not on a faster machine: the runs that lose one sleep this long in each
+# optimizer step (helpers.slowed_steps), at least 2.4 s for those 16 whatever the machine.
+STEP_DELAY = 0.15
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("ray") / "data", train_per_class=48, size=64)  # 144 images
+
+
+@pytest.fixture(scope="module")
+def slow_dir(tmp_path_factory) -> Path:
+    return write_slow_steps(tmp_path_factory.mktemp("slow-steps"))
 
 
 @pytest.fixture
@@ -137,12 +146,13 @@ def test_a_two_worker_ray_train_run_equals_the_spawned_ddp_run(data, tmp_path, r
 @needs_ray
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(data, tmp_path, ray_env,
-                                                                                spawned_reference):
+                                                                                spawned_reference, slow_dir):
     before = ray_processes()
+    slowed = {**ray_env, **slowed_steps(slow_dir, STEP_DELAY)}  # Ray passes both on (PYTHONPATH, its raylet's)
     log = tmp_path / "restarted.log"
     process = start([RAY_TRAIN, "--num-workers", "2", "--max-failures", "1", "--storage", tmp_path / "ray", "--",
                      "imagenet_ddp.py", data, *RUN, "--resume", "auto", "--checkpoint-every", "2steps",
-                     "--logdir", tmp_path / "runs"], ray_env, log)
+                     "--logdir", tmp_path / "runs"], slowed, log)
     # Killed after epoch 0's checkpoint at step 2 of 18: the restarted group goes on from the newest one.
     rank0 = int(wait_for(log, r"\(RayTrainWorker pid=(\d+)\) checkpoint: epoch 0 step 2/18", process).group(1))
     kill_a_worker_other_than(rank0)
@@ -161,7 +171,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     # Without a restart left, the run ends with the failure, naming the killed worker, and nothing stays.
     log = tmp_path / "failed.log"
     process = start([RAY_TRAIN, "--num-workers", "2", "--max-failures", "0", "--storage", tmp_path / "ray", "--",
-                     "imagenet_ddp.py", data, *RUN, "--epochs", "1", "--logdir", tmp_path / "failed"], ray_env, log)
+                     "imagenet_ddp.py", data, *RUN, "--epochs", "1", "--logdir", tmp_path / "failed"], slowed, log)
     rank0 = int(wait_for(log, r"\(RayTrainWorker pid=(\d+)\) train epoch 0 \[ ?2/18\]", process).group(1))
     kill_a_worker_other_than(rank0)
     assert process.wait(timeout=300) == 1, log.read_text()
@@ -206,13 +216,17 @@ def test_ctrl_c_to_ray_train_stops_the_run_and_every_process_it_started(data, tm
 @needs_ray
 @pytest.mark.slow
 def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_image_once(data, tmp_path,
-                                                                                          ray_env, monkeypatch):
+                                                                                          ray_env, monkeypatch,
+                                                                                          slow_dir):
     from ray.cluster_utils import Cluster
 
     for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):  # the cluster started in this process too
         monkeypatch.setenv(key, ray_env[key])
+    slowed = slowed_steps(slow_dir, STEP_DELAY)
+    for key, value in slowed.items():  # and its raylets start the training workers: from here too
+        monkeypatch.setenv(key, value)
     # After the loss Ray first waits for MAX workers, 60 s by default, before it starts fewer.
-    env = {**ray_env, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+    env = {**ray_env, **slowed, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
     before = ray_processes()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
