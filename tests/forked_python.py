@@ -2,7 +2,7 @@
 
 Importing torch, torchvision and the project takes 2.5 to 6 s of a 2-core machine's time; a test that
 checks a one-line error runs for a quarter of a second after that. Most of the suite's command-line
-tests are such runs, so conftest.run_command hands them here: one server process (started with
+tests are such runs, so helpers.run_command hands them here: one server process (started with
 the environment run_command gives every command) imports the heavy modules once and forks a child
 per command. The child is what `python SCRIPT ARGS` would be from then on: sys.argv, sys.path[0],
 the working directory and the environment set, stdin empty, stdout and stderr to files, the script
@@ -10,7 +10,7 @@ run as __main__, and a normal interpreter exit (atexit handlers, flushed streams
 of SystemExit or 1 after a traceback).
 
 Only commands whose environment equals the server's come here: variables that torch reads at import
-(OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, ...) would otherwise differ (conftest keeps a server for each
+(OMP_NUM_THREADS, ATEN_CPU_CAPABILITY, ...) would otherwise differ (helpers.py keeps a server for each
 environment it forks in). The one exception is PYTEST_CURRENT_TEST, which pytest changes for every
 test and nothing reads at import: the child takes the command's environment, that variable included.
 The server refuses to serve (and run_command starts real processes) if importing printed anything,

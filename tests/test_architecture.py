@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-from conftest import REPO
+from helpers import REPO
 
 COMMON = REPO / "common"
 MAX_CLASS_LINES = 150

@@ -8,7 +8,7 @@ import torch
 
 from common.cli import parse
 from common.errors import UsageError
-from conftest import FAST_ARGS, RunsCode, make_image_folder, run_script
+from helpers import FAST_ARGS, RunsCode, make_image_folder, run_script
 
 
 def assert_usage_error(result, *fragments):

@@ -18,7 +18,7 @@ from common.tools.bench import cli, flops, processes, repeats, report, sections,
 from common.tools.bench.gpu_monitor import GpuMonitor, GpuSample, gpu_state, gpus_to_sample, parse_gpu_sample
 from common.tools.bench.settings import Settings
 from common.tools.scaling import bus_bandwidth
-from conftest import cpu_has_native_bf16, make_image_folder, run_command
+from helpers import cpu_has_native_bf16, make_image_folder, run_command
 
 NUMBERS = ("images_per_second", "ms_per_step", "peak_memory_mib")
 H100 = "NVIDIA H100 80GB HBM3"

@@ -10,7 +10,7 @@ from common import checkpoint, rundir
 from common.cli import parse
 from common.errors import UsageError
 from common.distributed import single_process
-from conftest import RunsCode
+from helpers import RunsCode
 
 
 def test_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, seed, settings, strategies as st
 from common.cli import build_parser, parse
 from common.config import MODES, PREEMPT_SIGNALS
 from common.errors import UsageError, one_line
-from conftest import make_image_folder, run_script
+from helpers import make_image_folder, run_script
 
 # Values some flag may take: each flag's plausible values are those of this pool its type accepts.
 PLAUSIBLE_POOL = (

@@ -3,7 +3,6 @@ processes): --accum-steps N over -b B trains as -b N*B does, the compressing
 hooks still train the digits demo, a run resumed mid-epoch under each option
 ends on the uninterrupted run's weights (PowerSGD's error feedback included),
 and the mistakes are one line."""
-import csv
 import dataclasses
 import subprocess
 import sys
@@ -13,9 +12,8 @@ import torch
 
 from common import cli, comm, data as data_module
 from common.distributed import single_process
-from common.rundir import CHECKPOINT_NAME
-from conftest import REPO, make_image_folder, run_script
-from test_ddp import ENV, MODEL, assert_one_line_error, max_abs_diff, metrics, single_run_dir, weights
+from helpers import (ENV, MODEL, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
+                     run_script, single_run_dir, weights)
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +153,7 @@ def test_a_compressing_hook_trains_the_digits_demo_to_95_percent(digits, tmp_pat
                          "--nproc-per-node", "2", "--ddp-comm-hook", hook, "--logdir", tmp_path], timeout=900)
     assert result.returncode == 0, result.stderr
     assert f"gradients all-reduced in {hook}" in result.stdout
-    with open(single_run_dir(tmp_path) / "metrics.csv", newline="") as handle:
-        val = [row for row in csv.DictReader(handle) if row["split"] == "val"]
+    val = [row for row in metrics_rows(single_run_dir(tmp_path)) if row["split"] == "val"]
     assert len(val) == 6 and all(row["images"] == "359" for row in val)
     assert float(val[-1]["top1"]) >= 95.0, [row["top1"] for row in val]
 

@@ -4,7 +4,6 @@ backend's images in its order (whole epochs, resumed half epochs, one and
 two processes), DALI cuts the same crops within a few gray levels, a file
 DALI refuses costs a warning, not the run, and a missing DALI is one line.
 The --bad-images tests with DALI are in test_robustness.py."""
-import csv
 import dataclasses
 import io
 import json
@@ -23,9 +22,8 @@ from common import cli, dali, data, device_input, image_files
 from common.distributed import single_process
 from common.device_input import EncodedBatch
 from common.pipelines import DaliImages, Geometry, TensorImages
-from common.rundir import CHECKPOINT_NAME
 from common.tools.demo_data import write_fake_imagenet
-from conftest import REPO, make_image_folder, needs_dali, run_script
+from helpers import ENV, REPO, load_checkpoint, make_image_folder, metrics_rows, needs_dali, run_script, weights
 
 COLOUR_STEP = 8  # gray levels between the colours that number the images: JPEG keeps a flat colour within 2
 
@@ -248,16 +246,6 @@ def dali_cuda_words() -> str:
 
 RUN = ["-a", "squeezenet1_1", "--dropout", "0", "--image-size", "32", "--val-resize", "36", "-b", "4", "-j", "1",
        "--nproc-per-node", "2", "--epochs", "2", "-p", "1"]
-ENV = {"OMP_NUM_THREADS": "1"}  # identical numerics in every run's processes
-
-
-def rows(run_dir: Path) -> list:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
-def final_weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["state_dict"]
 
 
 @needs_dali
@@ -277,22 +265,23 @@ def test_two_processes_train_with_dali_and_a_mid_epoch_resume_equals_the_whole_r
     assert reference.returncode == 0, reference.stderr
     counted = ["epoch", "split", "images", "steps", "dataset_bytes"]
     # 24 training images: 3 global batches of 8 an epoch; 9 validation images, each counted once.
-    assert [[row[key] for key in counted] for row in rows(run_dir)] == \
-        [[row[key] for key in counted] for row in rows(tmp_path / "tv" / "r")]
-    assert [(row["split"], row["images"]) for row in rows(run_dir)] == [("train", "24"), ("val", "9")] * 2
+    assert [[row[key] for key in counted] for row in metrics_rows(run_dir)] == \
+        [[row[key] for key in counted] for row in metrics_rows(tmp_path / "tv" / "r")]
+    assert [(row["split"], row["images"]) for row in metrics_rows(run_dir)] == [("train", "24"), ("val", "9")] * 2
 
     kept = tmp_path / "kept"
     shutil.copytree(run_dir, kept)
     mid_epoch = run_dir / "checkpoint-epoch001-images00000008.pth.tar"  # a checkpoint every 2 of the 6 steps
-    assert torch.load(mid_epoch, weights_only=True)["images_done"] == 8
+    assert load_checkpoint(mid_epoch)["images_done"] == 8
     resumed = run_script([REPO / "imagenet_ddp.py", tree, *RUN, "--data-backend", "dali", "--resume", mid_epoch],
                          env_extra=ENV)
     assert resumed.returncode == 0, resumed.stderr
-    ours, theirs = final_weights(run_dir), final_weights(kept)
+    ours, theirs = weights(run_dir), weights(kept)
     # DALI cuts the run's own crops, so the resumed half epoch trains on the same pixels.
     assert max((ours[key].double() - theirs[key].double()).abs().max().item() for key in theirs) <= 1e-6
     same = ["epoch", "split", "loss", "top1", "top5", "images", "steps"]
-    assert [[row[key] for key in same] for row in rows(run_dir)] == [[row[key] for key in same] for row in rows(kept)]
+    assert [[row[key] for key in same] for row in metrics_rows(run_dir)] == \
+        [[row[key] for key in same] for row in metrics_rows(kept)]
 
 
 # --- on a GPU: the hardware decoder / nvJPEG path ---
@@ -322,5 +311,5 @@ def test_a_gpu_run_with_dali_trains_and_counts_every_image(tmp_path):
                          "--run-name", "r"], env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "decodes the JPEGs on the GPU" in result.stdout and "DALI refused" not in result.stderr
-    assert [(row["split"], row["images"]) for row in rows(tmp_path / "runs" / "r")] == [("train", "48"),
-                                                                                         ("val", "15")]
+    assert [(row["split"], row["images"]) for row in metrics_rows(tmp_path / "runs" / "r")] == [("train", "48"),
+                                                                                                 ("val", "15")]

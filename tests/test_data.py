@@ -19,7 +19,7 @@ from common.dataset_lists import scan_split
 from common.image_files import BadImageError, read_rgb
 from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
-from conftest import FAST_ARGS, make_image_folder
+from helpers import FAST_ARGS, make_image_folder
 
 CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 

@@ -4,14 +4,12 @@ validation is exact at any world size, wrong launches fail fast with one
 line, and no process outlives an interrupted or crashed job."""
 import contextlib
 import dataclasses
-import csv
 import json
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,57 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from common import device_input, engine, models, pipelines
+from common import device_input, engine, models, pipelines, spawn
 from common.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from common.rundir import CHECKPOINT_NAME
-from conftest import REPO, free_port, make_image_folder, run_script, running
-
-# SqueezeNet 1.1 without dropout: small (1.2M parameters), BatchNorm-free and random-free in training,
-# so one process with batch 2B and two processes with B each must compute the same steps.
-# Full-image crops without flips: the augmentation is deterministic too.
-MODEL = ["-a", "squeezenet1_1", "--dropout", "0", "--image-size", "32", "--val-resize", "32",
-         "--crop-scale", "1", "1", "--hflip", "0", "-p", "1"]
-# Identical numerics in every launcher's processes: one thread each (torchrun's default for several).
-ENV = {"OMP_NUM_THREADS": "1"}
-DETERMINISTIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "lr"]
-
-
-def single_run_dir(logdir: Path) -> Path:
-    run_dirs = [path for path in logdir.iterdir() if path.is_dir()]
-    assert len(run_dirs) == 1, run_dirs  # only rank 0 writes
-    return run_dirs[0]
-
-
-def metrics(run_dir: Path):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [{column: row[column] for column in DETERMINISTIC_COLUMNS} for row in csv.DictReader(handle)]
+from helpers import (ENV, MODEL, REPO, assert_one_line_error, finish, free_port, load_checkpoint, make_image_folder,
+                     max_abs_diff, metrics, run_script, running, single_run_dir, start, weights)
 
 
 def correct_count(row) -> int:
     """Top-1 hits of a metrics.csv row."""
     return round(float(row["top1"]) * int(row["images"]) / 100)
-
-
-def weights(run_dir: Path):
-    return torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["state_dict"]
-
-
-def max_abs_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
-
-
-def start(argv, env_extra=None):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **ENV, **(env_extra or {}))
-    return subprocess.Popen(list(map(str, argv)), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(processes, timeout=300):
-    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +162,7 @@ def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
 
 def confusion_by_hand(checkpoint: Path, val_dir: Path) -> np.ndarray:
     """[true, predicted] counts of the checkpoint's model over val_dir, one image at a time."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state = load_checkpoint(checkpoint)
     classes = state["classes"]
     model = models.build_model("squeezenet1_1", len(classes), dropout=0.0, image_size=32)
     model.load_state_dict(state["state_dict"])
@@ -230,7 +187,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_continues_in_one_with_the_same_
     run_dir = single_run_dir(tmp_path)
     assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6  # checkpoints change nothing
     mid_epoch = run_dir / "checkpoint-epoch000-images00000016.pth.tar"
-    assert torch.load(mid_epoch, weights_only=True)["images_done"] == 16
+    assert load_checkpoint(mid_epoch)["images_done"] == 16
 
     one = run_script([REPO / "imagenet_nd.py", data, *RUN, "-b", "8", "--resume", mid_epoch], env_extra=ENV)
     assert one.returncode == 0, one.stderr
@@ -288,14 +245,6 @@ def test_a_two_process_resume_equals_an_uninterrupted_run(data, tmp_path):
 
 
 # --- wrong launches: one line, exit 2, in bounded time ---
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode == 2, (result.stdout, result.stderr)
-    errors = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-
 
 @pytest.mark.slow
 def test_port_in_use_fails_at_once(data):
@@ -391,16 +340,19 @@ def process_tree(root: int):
 
 
 def start_long_job():
-    """A spawned 2-process run with one data-loading worker each, stopped once it trains."""
+    """A spawned 2-process run with one data-loading worker each, once it trains, and its processes."""
     job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
                  "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1", "--nproc-per-node", "2", "--epochs", "1",
                  "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
     for line in job.stdout:
         if line.startswith("train epoch 0 ["):
             break
-    time.sleep(1.0)
-    tree = process_tree(job.pid)
-    assert len(tree) >= 4, tree  # 2 workers, each with a data-loading process (+ multiprocessing's tracker)
+    # 2 workers, each with a data-loading process (+ multiprocessing's tracker). The first step needed both
+    # workers' batches, so they are all there by now; waited for, not slept for, however slow the machine.
+    deadline = time.monotonic() + 60
+    while len(tree := process_tree(job.pid)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(tree) >= 4, tree
     return job, tree
 
 
@@ -417,12 +369,19 @@ def wait_until_gone(job, tree, seconds):
     return left
 
 
+# How long the processes of a stopped job may take to be gone: the launcher's own deadlines (common.spawn:
+# the others' grace after a failure, then SIGTERM and SIGKILL after WORKER_KILL_SECONDS; data-loading
+# processes die with their worker), and as much again for a busy machine's exits. A process that outlives
+# its job never ends, so the margin costs nothing when the test passes and misses no failure.
+GONE_AFTER_A_STOP_SECONDS = 2 * (spawn.WORKER_STOP_GRACE_SECONDS + spawn.WORKER_KILL_SECONDS) + 10
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
-def test_sigint_to_the_launcher_ends_every_process_within_10_seconds():
+def test_sigint_to_the_launcher_ends_every_process():
     job, tree = start_long_job()
     job.send_signal(signal.SIGINT)
-    left = wait_until_gone(job, tree, 10)
+    left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
     output = job.stdout.read()
     assert left == [] and job.returncode == 130, output
     assert "interrupted" in output and "Traceback" not in output
@@ -437,7 +396,7 @@ def test_a_crashed_worker_stops_the_others():
                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(job.pid)]
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
-    left = wait_until_gone(job, tree, 15)
+    left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
     output = job.stdout.read()
     assert left == [] and job.returncode == 1, output
     assert re.search(r"error: worker rank\d was killed by SIGKILL .*; stopped the other workers", output)

@@ -22,8 +22,7 @@ from common import jpeg_decoders, pipelines
 from common.jpeg_decoders import JpegDecoder
 from common.pipelines import TensorImages
 from common.tools.demo_data import write_fake_imagenet
-from conftest import make_image_folder
-from test_pipelines import JPEG_VARIANTS as HEADER_VARIANTS, _jpeg
+from helpers import encode_jpeg, jpeg_variants, make_image_folder
 
 # Measured on the images below (Pillow 13, torchvision 0.29, TorchCodec 0.17, all libjpeg-turbo 3):
 # 0 gray levels between any two decoders. The bound leaves room for another libjpeg build's IDCT
@@ -42,7 +41,7 @@ def decoder(name: str) -> JpegDecoder:
         pytest.skip(f"{name} is not installed (optional: {jpeg_decoders.TORCHCODEC_INSTALL})")
     chosen = JpegDecoder(name, version)
     try:
-        chosen.decode(torch.frombuffer(bytearray(_jpeg("RGB")), dtype=torch.uint8))
+        chosen.decode(torch.frombuffer(bytearray(encode_jpeg("RGB")), dtype=torch.uint8))
     except Exception as error:  # e.g. a TorchCodec built for another torch
         pytest.skip(f"{name} {version} does not work beside torch {torch.__version__}: {error}")
     return chosen
@@ -51,10 +50,10 @@ def decoder(name: str) -> JpegDecoder:
 def _turned(orientation: int) -> bytes:
     exif = Image.Exif()
     exif[jpeg_decoders.EXIF_ORIENTATION] = orientation
-    return _jpeg("RGB", size=(64, 40), exif=exif.tobytes())
+    return encode_jpeg("RGB", size=(64, 40), exif=exif.tobytes())
 
 
-JPEG_VARIANTS = {**{name: encoded for name, encoded in HEADER_VARIANTS.items() if name != "large"},
+JPEG_VARIANTS = {**{name: encoded for name, encoded in jpeg_variants().items() if name != "large"},
                  "exif upright": _turned(1), "exif turned 90": _turned(6), "exif mirrored": _turned(2)}
 
 

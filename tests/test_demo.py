@@ -1,11 +1,10 @@
 """`make demo` end to end: real digits, ResNet-18, at least 95% validation top-1."""
-import csv
 import sys
 import time
 
 import pytest
 
-from conftest import run_command
+from helpers import metrics_rows, run_command
 
 
 @pytest.mark.slow
@@ -20,8 +19,7 @@ def test_demo_trains_digits_to_95_percent(tmp_path):
     for name in ("config.json", "metrics.csv", "checkpoint.pth.tar", "model_best.pth.tar"):
         assert (run_dir / name).is_file(), name
     assert list(run_dir.glob("events.out.tfevents.*"))
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        val = [row for row in csv.DictReader(handle) if row["split"] == "val"]
+    val = [row for row in metrics_rows(run_dir) if row["split"] == "val"]
     assert len(val) == 8 and int(val[-1]["images"]) == 359
     assert float(val[-1]["top1"]) >= 95.0, [row["top1"] for row in val]
     # The closing lines say where everything is.

@@ -13,13 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 from common.rundir import CHECKPOINT_NAME
 from common.meters import EpochMetrics
 from common.models import build_model
-from conftest import REPO, is_timing_column, make_image_folder, run_script
+from helpers import (REPO, differing_tensors, is_timing_column, load_checkpoint, make_image_folder, run_script,
+                     single_run_dir)
 
 # Random crops and flips (the defaults) and BatchNorm, 6 steps of 4 images per epoch.
 RESNET = ["-a", "resnet18", "--image-size", "32", "--val-resize", "32", "-b", "4", "-p", "100", "--epochs", "2"]
@@ -57,8 +57,7 @@ def runs(data, tmp_path_factory):
             logdir = tmp_path_factory.mktemp("runs")
             result = run_script([REPO / script, data, *args, "--logdir", logdir])
             assert result.returncode == 0, result.stdout + result.stderr
-            (run_dir,) = [path for path in logdir.iterdir() if path.is_dir()]  # only rank 0 writes one
-            done[key] = run_dir
+            done[key] = single_run_dir(logdir)  # only rank 0 writes one
         return done[key]
 
     return run
@@ -66,19 +65,13 @@ def runs(data, tmp_path_factory):
 
 def training_state(run_dir: Path):
     """(model state_dict, {parameter index: momentum buffer}) of the last checkpoint."""
-    state = torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    state = load_checkpoint(run_dir / CHECKPOINT_NAME)
     momentum = {index: entry["momentum_buffer"] for index, entry in state["optimizer"]["state"].items()}
     assert len(momentum) == len(state["optimizer"]["param_groups"][0]["params"])  # SGD with momentum: one each
     return state["state_dict"], momentum
 
 
-def differing_tensors(a: dict, b: dict):
-    """Names of the tensors that are not bit-identical (torch.equal: same shape, dtype and values)."""
-    assert a.keys() == b.keys()
-    return [name for name in a if not torch.equal(a[name], b[name])]
-
-
-def metrics_rows(run_dir: Path):
+def metrics_header_and_rows(run_dir: Path):
     """metrics.csv as (header, rows); the values are the strings written, so equal means bit-equal."""
     with open(run_dir / "metrics.csv", newline="") as handle:
         reader = csv.DictReader(handle)
@@ -87,7 +80,7 @@ def metrics_rows(run_dir: Path):
 
 def results(run_dir: Path):
     """metrics.csv without its timing columns."""
-    header, rows = metrics_rows(run_dir)
+    header, rows = metrics_header_and_rows(run_dir)
     compared = [name for name in header if not is_timing_column(name)]
     assert MUST_BE_COMPARED <= set(compared)
     return [{name: row[name] for name in compared} for row in rows]
@@ -98,7 +91,7 @@ def assert_same_run(a: Path, b: Path):
     weights_b, momentum_b = training_state(b)
     assert differing_tensors(weights_a, weights_b) == []
     assert differing_tensors(momentum_a, momentum_b) == []
-    assert metrics_rows(a)[0] == metrics_rows(b)[0]
+    assert metrics_header_and_rows(a)[0] == metrics_header_and_rows(b)[0]
     assert results(a) == results(b)
     assert len(results(a)) == 4  # 2 epochs, train and val
 

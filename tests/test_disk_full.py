@@ -23,7 +23,7 @@ import torch
 from common import checkpoint, cli, distributed, errors, files, fit, measure, rundir, telemetry
 from common.checkpoint import ResumePoint
 from common.meters import ClassReport, EpochMetrics, MetricTotals, SplitTiming
-from conftest import REPO, make_image_folder
+from helpers import REPO, csv_rows, make_image_folder, metrics_rows
 
 MIB = 2 ** 20
 
@@ -56,9 +56,33 @@ def fill(disk: Path) -> None:
 
 
 def sizes(folder: Path) -> dict:
+    """Each file's size, a TensorBoard events file's up to the end of its last whole record: what the run
+    has written, which no later write may take back.
+
+    A write that fails partway (the disk is full) leaves part of a record after that end and cuts it off
+    again at once (telemetry._FailSafeFile), so the file is never left shorter than before the write.
+    The events are written by each writer's own thread, in this process too, so a size read here can
+    fall between the two: it counts the part, and the cut looks like the file getting shorter. Seen
+    once in `make test` under load (a steps/ events file); a 0.5 s sleep before the sink's cut-back
+    makes it happen every time. The sink is right; reading a file mid-write was the test's race.
+    A CSV file is appended by its process's main thread: here between two reads, in a whole run at
+    epoch ends, not while the disk is being filled; its size is what it holds."""
     # run.lock: the run directory's lock, released (emptied) when the run ends
-    return {path: path.stat().st_size for path in folder.rglob("*")
-            if path.is_file() and path.name not in ("filler", "run.lock")}
+    return {path: _whole_records_size(path) if path.name.startswith("events.out.tfevents.") else path.stat().st_size
+            for path in folder.rglob("*") if path.is_file() and path.name not in ("filler", "run.lock")}
+
+
+def _whole_records_size(path: Path) -> int:
+    """The bytes of an events file's whole records: each its length (8 bytes), the length's CRC (4), the
+    event and its CRC (4); one write of the TensorBoard writer is one record."""
+    data = path.read_bytes()
+    whole = 0
+    while whole + 12 <= len(data):
+        end = whole + 12 + int.from_bytes(data[whole:whole + 8], "little") + 4
+        if end > len(data):
+            break
+        whole = end
+    return whole
 
 
 # --- appends and rewrites: all or nothing ---
@@ -83,8 +107,7 @@ def test_an_append_cut_short_by_a_full_disk_is_undone(tmp_path, monkeypatch):
     assert path.read_bytes() == before  # not a byte of the half row left
     assert not (tmp_path / "io.csv").exists()  # a new file that got nothing whole is not left empty
     files.append_rows(path, ["epoch", "loss"], [{"epoch": 1, "loss": 1.5}])
-    with open(path, newline="") as handle:
-        assert list(csv.DictReader(handle)) == [{"epoch": "0", "loss": "2.5"}, {"epoch": "1", "loss": "1.5"}]
+    assert csv_rows(path) == [{"epoch": "0", "loss": "2.5"}, {"epoch": "1", "loss": "1.5"}]
 
 
 def test_a_rewrite_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -157,8 +180,7 @@ def test_the_logs_survive_a_full_disk_with_one_warning_each_and_nothing_cut_shor
     assert "Traceback" not in err and "Exception in thread" not in err, err
     assert "metrics.csv [INCOMPLETE: writes failed (No space left on device)]" in out
     # What was written is whole: every metrics row complete, every event readable to the file's end.
-    with open(run_dir.path / "metrics.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = metrics_rows(run_dir.path)
     assert rows and all(None not in row and row["split"] in ("train", "val") for row in rows)
     assert [int(row["epoch"]) for row in rows[:2]] == [0, 0]
     assert _events_in(run_dir.path) >= 1 and _events_in(run_dir.path / "steps") >= 1
@@ -272,8 +294,7 @@ def test_a_run_whose_disk_fills_warns_and_stops_with_one_line_and_status_74(tmp_
         before = sizes(disk)
         out, err = process.communicate(timeout=600)
         after = sizes(disk)
-        with open(run_dir / "metrics.csv", newline="") as handle:
-            rows = list(csv.DictReader(handle))
+        rows = metrics_rows(run_dir)
         newest_epoch = checkpoint.load(str(run_dir / "checkpoint.pth.tar"))["epoch"]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

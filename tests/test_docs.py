@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 README_MAX_BYTES = 10 * 1024
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import run_command, run_script
+from helpers import run_command, run_script
 
 PROBE = '''
 import json, os, sys

@@ -1,5 +1,4 @@
 """On CUDA GPUs (skipped elsewhere): every script picks the GPUs by itself."""
-import csv
 import json
 import math
 import os
@@ -7,7 +6,7 @@ import warnings
 
 import pytest
 
-from conftest import REPO, run_script
+from helpers import REPO, metrics_rows, run_script
 
 
 @pytest.mark.gpu
@@ -21,8 +20,7 @@ def test_synthetic_steps_on_the_gpu(tmp_path, extra):
     assert "_gpux1_" in run_dir.name
     config = json.loads((run_dir / "config.json").read_text())
     assert config["environment"]["device"] != "cpu" and config["environment"]["gpus_visible"] >= 1
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        train = next(row for row in csv.DictReader(handle) if row["split"] == "train")
+    train = next(row for row in metrics_rows(run_dir) if row["split"] == "train")
     assert int(train["images"]) == 3 * 64 and math.isfinite(float(train["loss"]))
 
 
@@ -33,8 +31,7 @@ def all_gpus() -> str:
 
 
 def _train_rows(run_dir):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return [row for row in csv.DictReader(handle) if row["split"] == "train"]
+    return [row for row in metrics_rows(run_dir) if row["split"] == "train"]
 
 
 @pytest.mark.gpu
@@ -138,8 +135,7 @@ def test_the_gpu_data_backend_trains_and_validates_a_jpeg_tree(tmp_path):
                         env_extra={"CUDA_VISIBLE_DEVICES": "0"}, timeout=600)
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        rows = {row["split"]: row for row in csv.DictReader(handle)}
+    rows = {row["split"]: row for row in metrics_rows(run_dir)}
     assert int(rows["train"]["images"]) == 32 and int(rows["val"]["images"]) == 8
     assert math.isfinite(float(rows["train"]["loss"]))
 

@@ -16,7 +16,7 @@ import torch
 from common import cli
 from common.launcher import Launch
 from common.rendezvous import RendezvousError, join_log_causes, join_process_group
-from conftest import REPO, free_port
+from helpers import REPO, free_port
 
 # rank 1 of 2, node 0 named no-such-node.invalid: what stays when the name does not resolve
 UNRESOLVED_LOG = """\

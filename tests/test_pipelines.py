@@ -21,7 +21,7 @@ from common.distributed import single_process
 from common.device_input import DeviceInput
 from common.image_files import BadImageError
 from common.pipelines import EncodedImages, PILImages, TensorImages
-from conftest import make_image_folder, run_script
+from helpers import jpeg_variants, load_checkpoint, make_image_folder, run_script
 
 STD_255 = torch.tensor(pipelines.IMAGENET_STD).reshape(3, 1, 1) * 255.0  # normalised units -> gray levels
 
@@ -270,7 +270,7 @@ def test_compile_trains_a_few_cpu_steps_like_the_eager_model(tmp_path):
     assert rows["compiled"]["images"] == rows["eager"]["images"] == 12
     # Same seed, same data: the compiled graph's arithmetic differs only by rounding (fused kernels).
     assert abs(rows["compiled"]["loss"] - rows["eager"]["loss"]) <= 1e-3 * abs(rows["eager"]["loss"])
-    state = torch.load(tmp_path / "compiled" / "checkpoint.pth.tar", map_location="cpu", weights_only=True)
+    state = load_checkpoint(tmp_path / "compiled" / "checkpoint.pth.tar")
     assert not any(key.startswith("_orig_mod") for key in state["state_dict"])
 
 
@@ -293,20 +293,7 @@ def test_a_batch_the_device_decoder_refuses_is_decoded_file_by_file_with_a_warni
         device_input._decode_on(decoder, torch.device("cpu"), files, ["a.jpg", "b.jpg"])
 
 
-def _jpeg(mode: str, size=(37, 23), **options) -> bytes:
-    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], len(mode)), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode).save(buffer, format="JPEG", **options)
-    return buffer.getvalue()
-
-
-JPEG_VARIANTS = {
-    "baseline": _jpeg("RGB"), "grayscale": _jpeg("L"), "cmyk": _jpeg("CMYK"),
-    "progressive": _jpeg("RGB", progressive=True), "optimized": _jpeg("RGB", optimize=True),
-    "4:4:4": _jpeg("RGB", subsampling=0), "restart markers": _jpeg("RGB", restart_marker_blocks=1),
-    "exif and icc": _jpeg("RGB", exif=b"Exif\x00\x00" + bytes(300), icc_profile=bytes(5000)),
-    "large": _jpeg("RGB", size=(4000, 3000)),
-}
+JPEG_VARIANTS = jpeg_variants()
 
 
 @pytest.mark.parametrize("variant", sorted(JPEG_VARIANTS))

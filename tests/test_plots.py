@@ -3,92 +3,24 @@ figures) and on run directories with hand-computed values; the figures'
 files and axis labels; the notebook that draws the same figures."""
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from common.tools import plots
-from conftest import REPO
+from helpers import REPO, START, UPSTREAM, epoch_rows, make_runs, write_run
 
-UPSTREAM = REPO / "results" / "upstream"
 # Acceptance figures from upstream's RESULTS.md and README (global images/s, mean over epochs).
 UPSTREAM_IMAGES_PER_SECOND = {2: 1582, 4: 3003, 8: 5804, 16: 11232, 32: 19477, 64: 32938}
 # Upstream's training times where its table counts every epoch (plus ~15-25 s of start-up)...
 UPSTREAM_TRAINING_SECONDS = {8: 20904, 16: 10969, 32: 6653, 64: 4071}
 # ...and where it quotes last - first end-of-epoch wall time, which leaves the first epoch out.
 UPSTREAM_LAST_MINUS_FIRST_SECONDS = {4: 39536, 2: 66790}
-
-START = 1_800_000_000.0  # UNIX seconds of the synthetic runs' first training step
-
-
-def epoch_rows(epoch: int, train_start: float, images_per_second: float, val_top1: float,
-               train_seconds: float = 100.0, val_seconds: float = 20.0, data_wait_fraction: float = 0.1) -> list:
-    """metrics.csv rows (train, val) of one epoch, as common.telemetry writes them."""
-    train = {"epoch": epoch, "split": "train", "loss": 2.0 - 0.1 * epoch, "top1": val_top1 - 5, "top5": 90.0,
-             "images": int(images_per_second * train_seconds), "steps": 10, "seconds": train_seconds,
-             "images_per_second": images_per_second, "seconds_per_step": train_seconds / 10,
-             "data_wait_fraction": data_wait_fraction, "lr": 0.1, "wall_time": train_start + train_seconds,
-             "loss_scale": "", "skipped_steps": "", "images_per_second_per_gpu": "", "warmup_steps": 2,
-             "peak_memory_mib": "", "dataset_bytes": 1000, "macro_f1": ""}
-    val = dict(train, split="val", loss=1.5, top1=val_top1, top5=95.0, images=50, steps=2, seconds=val_seconds,
-               images_per_second=50 / val_seconds, lr="", wall_time=train_start + train_seconds + val_seconds,
-               data_wait_fraction=0.0, macro_f1=val_top1 - 1)
-    return [train, val]
-
-
-def write_run(root: Path, name: str, replicas: int, rows: list, device: str = "cpu", desired_acc=None,
-              columns: list = plots.METRIC_COLUMNS, io_rows: list = None) -> Path:
-    """A run directory: config.json, metrics.csv (only `columns`), optional io.csv."""
-    run_dir = root / name
-    run_dir.mkdir(parents=True)
-    config = {"command": f"python imagenet_ddp.py --synthetic -a resnet18 --nproc-per-node {replicas}",
-              "started": "2026-11-23T10:00:00+00:00", "start_epoch": 0,
-              "options": {"arch": "resnet18", "batch_size": 4, "epochs": 3, "desired_acc": desired_acc,
-                          "opt_level": "O0", "workers": 1, "data": None},
-              "resolved": {"global_batch": 4 * replicas, "lr": 0.1, "precision": "fp32"},
-              "environment": {"host": "node-a", "cpu_model": "Test CPU 9000", "python": "3.11.7",
-                              "torch": "2.4.0", "torchvision": "0.19.0", "cuda": None, "device": device,
-                              "world_size": replicas, "replicas": replicas, "launcher": "spawn"}}
-    (run_dir / "config.json").write_text(json.dumps(config))
-    with open(run_dir / "metrics.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    if io_rows is not None:
-        with open(run_dir / "io.csv", "w", newline="") as handle:
-            handle.write("wall_time,host,device,read_bytes_per_second,write_bytes_per_second,"
-                         "read_ops_per_second,write_ops_per_second\n")
-            handle.writelines(",".join(map(str, row)) + "\n" for row in io_rows)
-    return run_dir
-
-
-def make_runs(root: Path) -> dict:
-    """Three CPU runs with hand-computable numbers (see each comment)."""
-    # 2 processes, 3 epochs of 100 s training + 20 s validation; preempted after epoch 1 and resumed
-    # 4,640 s later (the gap is no training time): 3 x 120 = 360 s. Throughput 40, 50, 60: mean 50.
-    # An edited metrics.csv repeats epoch 1's train row: the last row (50 images/s) counts.
-    rows = (epoch_rows(0, START, 40, 30.0) + [epoch_rows(1, START + 120, 999, 0)[0]]
-            + epoch_rows(1, START + 120, 50, 55.0) + epoch_rows(2, START + 5000, 60, 60.0))
-    # io.csv: two nodes every 10 s; reads 1 and 2 MB/s (total 3); write and op counters missing (empty).
-    io_rows = [(START + t + offset, host, "sda", read, "", "", "")
-               for t in (0, 10, 20) for host, offset, read in (("a", 0.0, 1e6), ("b", 0.4, 2e6))]
-    two = write_run(root, "Nov23_10-00-00_node-a_resnet18_cpux2_b4_cpu1_optO0", 2, rows, desired_acc=50.0,
-                    io_rows=io_rows)
-    # Two 4-process runs in an older format (no columns after skipped_steps), 150 and 170 images/s:
-    # grouped, their mean is 160 images/s, 40 per process; 2 epochs of 120 s each: 240 s.
-    old_columns = plots.METRIC_COLUMNS[:plots.METRIC_COLUMNS.index("skipped_steps") + 1]
-    four = [write_run(root, f"Nov24_1{i}-00-00_node-a_resnet18_cpux4_b4_cpu1_optO0", 4,
-                      epoch_rows(0, START, speed, 20.0) + epoch_rows(1, START + 120, speed, 40.0),
-                      columns=old_columns)
-            for i, speed in enumerate((150, 170))]
-    return {"two": two, "four": four}
 
 
 def test_upstream_acceptance_numbers():

@@ -1,7 +1,6 @@
 """Mixed precision: the Apex opt levels with native AMP, loss scaling that
 skips an overflowing step on every rank, the scaler in checkpoints, and
 imagenet_ddp_apex.py launched as the Apex tutorial launches it."""
-import csv
 import json
 import math
 import platform
@@ -15,8 +14,8 @@ from common import cli, hardware
 from common.errors import UsageError
 from common.engine import sgd_implementation
 from common.precision import FP32, NEVER_GROW, MixedPrecision, build_policy
-from conftest import REPO, cpu_has_native_bf16, run_command, run_script
-from test_ddp import ENV, MODEL, free_port, max_abs_diff, metrics, single_run_dir, start, finish, weights
+from helpers import (ENV, MODEL, REPO, cpu_has_native_bf16, finish, free_port, load_checkpoint, make_image_folder,
+                     max_abs_diff, metrics, metrics_rows, run_command, run_script, single_run_dir, start, weights)
 
 CPU = torch.device("cpu")
 
@@ -221,8 +220,6 @@ APEX = REPO / "imagenet_ddp_apex.py"
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from conftest import make_image_folder
-
     return make_image_folder(tmp_path_factory.mktemp("apex") / "data")
 
 
@@ -302,7 +299,7 @@ FP16_RUN = [*MODEL, "-b", "4", "-j", "0", "--epochs", "2", "--opt-level", "O1", 
 
 
 def precision_state(run_dir):
-    return torch.load(run_dir / "checkpoint.pth.tar", map_location="cpu", weights_only=True)["precision"]
+    return load_checkpoint(run_dir / "checkpoint.pth.tar")["precision"]
 
 
 @pytest.mark.slow
@@ -319,8 +316,7 @@ def test_resume_continues_the_loss_scale_and_weights_exactly(data, tmp_path):
     whole_dir = single_run_dir(tmp_path / "whole")
     assert precision_state(part_dir) == precision_state(whole_dir)
     assert max_abs_diff(weights(part_dir), weights(whole_dir)) <= 1e-6
-    with open(whole_dir / "metrics.csv", newline="") as handle:
-        train = [row for row in csv.DictReader(handle) if row["split"] == "train"]
+    train = [row for row in metrics_rows(whole_dir) if row["split"] == "train"]
     assert float(train[-1]["loss_scale"]) == precision_state(whole_dir)["scaler"]["scale"]
     assert int(train[-1]["skipped_steps"]) == precision_state(whole_dir)["skipped_steps"]
     assert "normal while the loss scale finds its level" in whole.stdout

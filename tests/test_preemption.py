@@ -17,7 +17,7 @@ from common import distributed, preemption, process_signals
 from common.cli import parse
 from common.errors import STOPPED_EXIT_STATUS, UsageError
 from common.preemption import StopControl
-from conftest import free_port
+from helpers import free_port
 
 
 class Lines:

@@ -9,7 +9,6 @@ The end-to-end tests need Ray (requirements-ray.txt; CI installs it) and are
 slow (Ray's start-up is 10-20 s a run); the input checks run everywhere."""
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import os
@@ -25,21 +24,30 @@ import pandas as pd
 import pytest
 
 from common.errors import UsageError
-from conftest import REPO, free_port, make_image_folder, run_command
-from test_ddp import ENV, MODEL, assert_one_line_error, max_abs_diff, metrics, single_run_dir, weights
+from helpers import (ENV, MODEL, REPO, assert_one_line_error, free_port, make_image_folder, max_abs_diff, metrics,
+                     metrics_rows, run_command, single_run_dir, slowed_steps, weights, write_slow_steps)
 
 RAY_INSTALLED = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(not RAY_INSTALLED, reason="Ray is not installed (pip install -r requirements-ray.txt)")
 RAY_TRAIN = REPO / "run_scripts" / "ray_train.py"
 RAY_TUNE = REPO / "run_scripts" / "ray_tune.py"
-# MODEL at 64 pixels: 18 steps of 2 x 4 images per epoch, each some 40 ms on 2 cores, long enough for a
-# worker or a node to be lost mid-epoch after the line that says where training is.
+# MODEL at 64 pixels: 18 steps of 2 x 4 images per epoch.
 RUN = [*MODEL, "--image-size", "64", "--val-resize", "64", "-b", "4", "-j", "0", "--epochs", "2"]
+# A worker or a node is lost mid-epoch, after the line that says where training is: the 16 steps left
+# of the epoch must outlast Ray's forwarding of that line and the test's reading of it. Some 40 ms each
+# on 2 busy cores, they would not on a faster machine: the runs that lose one sleep this long in each
+# optimizer step (helpers.slowed_steps), at least 2.4 s for those 16 whatever the machine.
+STEP_DELAY = 0.15
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("ray") / "data", train_per_class=48, size=64)  # 144 images
+
+
+@pytest.fixture(scope="module")
+def slow_dir(tmp_path_factory) -> Path:
+    return write_slow_steps(tmp_path_factory.mktemp("slow-steps"))
 
 
 @pytest.fixture
@@ -105,11 +113,6 @@ def kill_a_worker_other_than(rank0_pid: int) -> int:
     return victims[0]
 
 
-def rows(run_dir: Path):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
 # --- the same run as the spawned DDP run ---
 
 @pytest.fixture(scope="module")
@@ -142,12 +145,13 @@ def test_a_two_worker_ray_train_run_equals_the_spawned_ddp_run(data, tmp_path, r
 @needs_ray
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(data, tmp_path, ray_env,
-                                                                                spawned_reference):
+                                                                                spawned_reference, slow_dir):
     before = ray_processes()
+    slowed = {**ray_env, **slowed_steps(slow_dir, STEP_DELAY)}  # Ray passes both on (PYTHONPATH, its raylet's)
     log = tmp_path / "restarted.log"
     process = start([RAY_TRAIN, "--num-workers", "2", "--max-failures", "1", "--storage", tmp_path / "ray", "--",
                      "imagenet_ddp.py", data, *RUN, "--resume", "auto", "--checkpoint-every", "2steps",
-                     "--logdir", tmp_path / "runs"], ray_env, log)
+                     "--logdir", tmp_path / "runs"], slowed, log)
     # Killed after epoch 0's checkpoint at step 2 of 18: the restarted group goes on from the newest one.
     rank0 = int(wait_for(log, r"\(RayTrainWorker pid=(\d+)\) checkpoint: epoch 0 step 2/18", process).group(1))
     kill_a_worker_other_than(rank0)
@@ -157,16 +161,16 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_the_uninterrupted_one(
     assert re.search(r"--resume auto: continuing \S+checkpoint-epoch000-images\d+\.pth\.tar \(epoch 0 after", output)
     assert "later metrics rows" not in output  # killed mid-epoch 0: nothing of it logged before
     run_dir = single_run_dir(tmp_path / "runs")
-    assert [(row["epoch"], row["split"]) for row in rows(run_dir)] == [("0", "train"), ("0", "val"), ("1", "train"),
-                                                                      ("1", "val")]
+    assert [(row["epoch"], row["split"]) for row in metrics_rows(run_dir)] == [("0", "train"), ("0", "val"),
+                                                                              ("1", "train"), ("1", "val")]
     assert max_abs_diff(weights(run_dir), weights(spawned_reference)) <= 1e-6
-    assert [row["images"] for row in rows(run_dir)] == [row["images"] for row in metrics(spawned_reference)]
+    assert [row["images"] for row in metrics_rows(run_dir)] == [row["images"] for row in metrics(spawned_reference)]
     assert_none_left(before)
 
     # Without a restart left, the run ends with the failure, naming the killed worker, and nothing stays.
     log = tmp_path / "failed.log"
     process = start([RAY_TRAIN, "--num-workers", "2", "--max-failures", "0", "--storage", tmp_path / "ray", "--",
-                     "imagenet_ddp.py", data, *RUN, "--epochs", "1", "--logdir", tmp_path / "failed"], ray_env, log)
+                     "imagenet_ddp.py", data, *RUN, "--epochs", "1", "--logdir", tmp_path / "failed"], slowed, log)
     rank0 = int(wait_for(log, r"\(RayTrainWorker pid=(\d+)\) train epoch 0 \[ ?2/18\]", process).group(1))
     kill_a_worker_other_than(rank0)
     assert process.wait(timeout=300) == 1, log.read_text()
@@ -211,13 +215,17 @@ def test_ctrl_c_to_ray_train_stops_the_run_and_every_process_it_started(data, tm
 @needs_ray
 @pytest.mark.slow
 def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_image_once(data, tmp_path,
-                                                                                          ray_env, monkeypatch):
+                                                                                          ray_env, monkeypatch,
+                                                                                          slow_dir):
     from ray.cluster_utils import Cluster
 
     for key in ("RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):  # the cluster started in this process too
         monkeypatch.setenv(key, ray_env[key])
+    slowed = slowed_steps(slow_dir, STEP_DELAY)
+    for key, value in slowed.items():  # and its raylets start the training workers: from here too
+        monkeypatch.setenv(key, value)
     # After the loss Ray first waits for MAX workers, 60 s by default, before it starts fewer.
-    env = {**ray_env, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+    env = {**ray_env, **slowed, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
     before = ray_processes()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
@@ -240,7 +248,7 @@ def test_a_run_that_loses_a_node_mid_epoch_finishes_on_one_worker_counting_each_
     assert re.search(r"the checkpoint was written by 2 replicas .* epoch 1 goes on after its first \d+ images", output)
     assert "later metrics rows" not in output
     run_dir = single_run_dir(tmp_path / "runs")
-    logged = [(row["epoch"], row["split"], row["images"]) for row in rows(run_dir)]
+    logged = [(row["epoch"], row["split"], row["images"]) for row in metrics_rows(run_dir)]
     assert logged == [(str(epoch), split, images) for epoch in range(3) for split, images in
                       (("train", "144"), ("val", "9"))]  # every image of each epoch once, however many workers
     assert_none_left(before)
@@ -270,7 +278,7 @@ def test_a_tune_search_on_the_digits_demo_runs_each_trial_in_its_own_run_directo
     run_dirs = sorted(str(path) for path in (tmp_path / "runs").iterdir() if path.is_dir())
     assert run_dirs == sorted(table["run_dir"])
     for _, row in table.iterrows():
-        logged = rows(Path(row["run_dir"]))
+        logged = metrics_rows(Path(row["run_dir"]))
         assert [(line["epoch"], line["split"]) for line in logged] == [("0", "train"), ("0", "val"), ("1", "train"),
                                                                       ("1", "val")]
         assert row["best_val_top1"] == pytest.approx(max(float(line["top1"]) for line in logged
@@ -306,7 +314,7 @@ def test_asha_stops_a_trial_whose_metric_lags_at_its_first_rung(data, tmp_path, 
     assert list(table["epochs"]) == [2, 1] and list(table["last_train_images"]) == [24, 8]
     # The stopped trial's own run directory holds what it ran before Tune stopped it: its first epoch, and
     # here (epochs of a second) maybe the next one, done before the stop arrived.
-    assert [len(rows(Path(run_dir))) >= 2 for run_dir in table["run_dir"]] == [True, True]
+    assert [len(metrics_rows(Path(run_dir))) >= 2 for run_dir in table["run_dir"]] == [True, True]
     assert list(table["best"]) == [True, False]
     assert_none_left(before)
 

@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from common.tools import results
-from conftest import FAST_ARGS, REPO, run_script
-from test_plots import UPSTREAM, make_runs
+from helpers import FAST_ARGS, REPO, UPSTREAM, make_runs, run_script
 
 
 def results_command(*argv) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ one is counted, listed and replaced by the next readable one.
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 import time
@@ -26,7 +25,7 @@ from PIL import Image
 from common import data, dataset_lists, image_files
 from common.checkpoint import load
 from common.rundir import CHECKPOINT_NAME, kept_checkpoints
-from conftest import FAST_ARGS, REPO, needs_dali, run_script
+from helpers import FAST_ARGS, REPO, csv_rows, make_image_folder, metrics_rows, needs_dali, run_script
 
 IS_ROOT = os.geteuid() == 0
 
@@ -120,13 +119,11 @@ def _expected_bytes(root: Path, split: str, unreadable) -> int:
 
 
 def _rows(run_dir: Path) -> dict:
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return {(int(row["epoch"]), row["split"]): row for row in csv.DictReader(handle)}
+    return {(int(row["epoch"]), row["split"]): row for row in metrics_rows(run_dir)}
 
 
 def _listed(run_dir: Path) -> dict:
-    with open(run_dir / "bad_images.csv", newline="") as handle:
-        return {Path(row["path"]): row for row in csv.DictReader(handle)}
+    return {Path(row["path"]): row for row in csv_rows(run_dir / "bad_images.csv")}
 
 
 ODD_ARGS = ["-a", "resnet18", "--image-size", "16", "--val-resize", "16", "-p", "100", "--epochs", "1"]
@@ -241,8 +238,6 @@ def test_fail_under_two_processes_stops_the_job_without_a_hang(odd_data, tmp_pat
 
 @pytest.mark.slow
 def test_a_broken_class_folder_link_stops_the_run_naming_it(tmp_path):
-    from conftest import make_image_folder
-
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
     (root / "train" / "class_9").symlink_to(tmp_path / "unmounted" / "class_9")
     result = run_script(["imagenet_nd.py", root, *FAST_ARGS, "--logdir", tmp_path / "runs"])

@@ -21,7 +21,7 @@ from common import checkpoint, rundir
 from common.cli import parse
 from common.distributed import single_process
 from common.errors import UsageError
-from conftest import FAST_ARGS, REPO, RunsCode, run_script
+from helpers import FAST_ARGS, REPO, RunsCode, run_script
 
 # A process that holds a run directory's lock through the function the scripts use, until killed.
 HOLDER = """

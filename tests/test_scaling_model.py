@@ -3,7 +3,6 @@ layout (against a real one-process DDP), the overlap of communication with
 backward on hand-built cases, and the command's files and one-line mistakes."""
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 from common.files import TEMPORARY_NAME
 from common.tools import scaling
 from common.tools.scaling import Bucket, Gradient, Links, ModelProfile, Settings
-from conftest import REPO
+from helpers import REPO, csv_rows
 
 COMMAND = [sys.executable, "-m", "common.tools.scaling"]
 
@@ -200,8 +199,7 @@ def test_command_writes_csv_and_figure_and_refuses_to_overwrite(tmp_path):
             "--figure", str(figure), "--measured"]
     done = run(*args)
     assert done.returncode == 0, done.stderr
-    with open(out, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = csv_rows(out)
     assert len(rows) == 4 * 3 and rows[0]["hook"] == "none" and rows[0]["gpus"] == "1"
     assert float(rows[0]["efficiency_percent"]) == 100.0 and float(rows[0]["exposed_comm_ms"]) == 0.0
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

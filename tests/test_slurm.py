@@ -13,7 +13,6 @@ On Debian: apt-get install slurm-wlm munge (.ci/run does it).
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -26,8 +25,8 @@ import pytest
 import torch
 
 from common.rundir import CHECKPOINT_NAME
-from conftest import REPO, free_port, is_timing_column
 from common.tools.netns import NETNS_DIR, remove_empty_netns_dir
+from helpers import REPO, differing_tensors, free_port, is_timing_column, load_checkpoint, metrics_rows, weights
 from slurm_cluster import HOSTS_FILE, TAG_VARIABLE, SigtermInterrupts, SlurmCluster, missing_reason, sweep_abandoned
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -125,21 +124,13 @@ def output(folder: Path, job_id) -> str:
     return path.read_text(errors="replace") if path.exists() else "(no output file)"
 
 
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)["state_dict"]
-
-
 def assert_same_weights(run_dir: Path, reference: Path) -> None:
-    mine, theirs = weights(run_dir), weights(reference)
-    assert mine.keys() == theirs.keys()
-    assert [name for name in mine if not torch.equal(mine[name], theirs[name])] == []
+    assert differing_tensors(weights(run_dir), weights(reference)) == []
 
 
 def results(run_dir: Path) -> list:
     """metrics.csv's rows without their timing columns (which differ from run to run)."""
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return [{name: value for name, value in row.items() if not is_timing_column(name)} for row in rows]
+    return [{name: value for name, value in row.items() if not is_timing_column(name)} for row in metrics_rows(run_dir)]
 
 
 def epochs_and_splits(run_dir: Path) -> list:
@@ -277,7 +268,7 @@ def test_scancel_stops_with_a_checkpoint_and_no_requeue(cluster, digits, tmp_pat
     assert (job["JobState"], job["Restarts"]) == ("CANCELLED", "0"), log
     assert stop_lines(log, "SIGTERM") == [("0", "3")], log
     assert sorted(path.name for path in notes.glob("exit-*")) == ["exit-75-rank0", "exit-75-rank1"], log
-    state = torch.load(tmp_path / "runs" / f"slurm-{job_id}" / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    state = load_checkpoint(tmp_path / "runs" / f"slurm-{job_id}" / CHECKPOINT_NAME)
     assert (state["epoch"], state["step"]) == (0, 3)
     assert "requeued Slurm job" not in log
 
@@ -294,7 +285,7 @@ def test_the_wall_time_warning_from_slurm_itself_checkpoints_and_requeues(cluste
     assert sorted(path.name for path in notes.glob("got-*")) == ["got-SIGUSR1-rank0", "got-SIGUSR1-rank1"], log
     assert stop_lines(log, "SIGUSR1") == [("0", "2")], log
     assert log.count(f"requeued Slurm job {job_id}") == 1, log
-    state = torch.load(tmp_path / "runs" / f"slurm-{job_id}" / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    state = load_checkpoint(tmp_path / "runs" / f"slurm-{job_id}" / CHECKPOINT_NAME)
     assert (state["epoch"], state["step"]) == (0, 2)
 
 

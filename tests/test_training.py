@@ -1,6 +1,5 @@
 """imagenet_nd.py end to end on tiny data: exact step counts, the run
 directory, resume == uninterrupted, evaluation, --desired-acc, no overwrites."""
-import csv
 import json
 import os
 import shutil
@@ -12,27 +11,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import imagenet_nd
 from common.rundir import BEST_NAME, CHECKPOINT_NAME
-from conftest import FAST_ARGS, REPO, run_script
+from helpers import (FAST_ARGS, REPO, load_checkpoint, make_image_folder, max_abs_diff, metrics_rows, run_script,
+                     single_run_dir, weights)
 
 
 def train(data, logdir, *extra):
     imagenet_nd.main([str(data), *FAST_ARGS, "--logdir", str(logdir), *extra])
-    (run_dir,) = [path for path in logdir.iterdir() if path.is_dir()]
-    return run_dir
-
-
-def read_metrics(run_dir):
-    with open(run_dir / "metrics.csv", newline="") as handle:
-        return list(csv.DictReader(handle))
-
-
-def weights(path):
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
-
-
-def max_abs_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[key].double() - b[key].double()).abs().max().item() for key in a if a[key].numel())
+    return single_run_dir(logdir)
 
 
 @pytest.mark.slow
@@ -42,7 +27,7 @@ def test_synthetic_command_runs_exactly_five_steps(tmp_path):
                          "--logdir", tmp_path / "runs"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
-    rows = read_metrics(run_dir)
+    rows = metrics_rows(run_dir)
     assert [(row["epoch"], row["split"]) for row in rows] == [("0", "train"), ("0", "val")]
     assert int(rows[0]["steps"]) == 5 and int(rows[0]["images"]) == 5 * 32
     assert int(rows[1]["images"]) == 10 * 32  # the token validation pass of --synthetic
@@ -62,7 +47,7 @@ def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_dat
     assert config["resolved"]["steps_per_epoch"] == 6
     assert config["environment"]["torch"] == torch.__version__ and config["environment"]["world_size"] == 1
 
-    rows = read_metrics(run_dir)
+    rows = metrics_rows(run_dir)
     assert [(row["epoch"], row["split"]) for row in rows] == [("0", "train"), ("0", "val"), ("1", "train"), ("1", "val")]
     assert [int(row["images"]) for row in rows] == [24, 9, 24, 9]
     for row in rows:
@@ -78,7 +63,7 @@ def test_run_directory_holds_config_metrics_tensorboard_and_checkpoints(tiny_dat
     assert [event.step for event in top1_val] == [1, 2]  # epochs completed, as in the upstream logs
     assert top1_val[-1].value == pytest.approx(float(rows[3]["top1"]))
 
-    state = torch.load(run_dir / CHECKPOINT_NAME, map_location="cpu", weights_only=True)
+    state = load_checkpoint(run_dir / CHECKPOINT_NAME)
     assert state["epoch"] == 2 and state["arch"] == "resnet18"
     assert state["classes"] == ["class_0", "class_1", "class_2"]
     assert not any(key.startswith("module.") for key in state["state_dict"])
@@ -100,10 +85,10 @@ def test_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers):
 
     assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(first_two / CHECKPOINT_NAME)) <= 1e-6
     # Logs continue in the same run directory, each epoch exactly once.
-    resumed_rows = read_metrics(first_two)
+    resumed_rows = metrics_rows(first_two)
     assert [(row["epoch"], row["split"]) for row in resumed_rows] == [
         (str(epoch), split) for epoch in range(3) for split in ("train", "val")]
-    full_rows = read_metrics(uninterrupted)
+    full_rows = metrics_rows(uninterrupted)
     for resumed, full in zip(resumed_rows, full_rows):
         assert float(resumed["loss"]) == pytest.approx(float(full["loss"]), abs=1e-6)
         assert resumed["top1"] == full["top1"]
@@ -124,9 +109,9 @@ def test_resume_from_an_earlier_epoch_keeps_the_newer_files(tiny_data, tmp_path)
     imagenet_nd.main([str(tiny_data), *FAST_ARGS, "--epochs", "3", "--resume", str(earlier)])
     (backup,) = run_dir.glob("before-resume-*")
     assert {name: (backup / name).read_bytes() for name in newer} == newer  # nothing lost
-    assert torch.load(backup / CHECKPOINT_NAME, weights_only=True)["epoch"] == 4
-    assert [row["epoch"] for row in read_metrics(run_dir)] == ["0", "0", "1", "1", "2", "2"]
-    assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["epoch"] == 3
+    assert load_checkpoint(backup / CHECKPOINT_NAME)["epoch"] == 4
+    assert [row["epoch"] for row in metrics_rows(run_dir)] == ["0", "0", "1", "1", "2", "2"]
+    assert load_checkpoint(run_dir / CHECKPOINT_NAME)["epoch"] == 3
 
 
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
@@ -142,18 +127,18 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
 
 def test_evaluate_reproduces_the_logged_validation(tiny_data, tmp_path, capsys):
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "2")
-    last_val = read_metrics(run_dir)[-1]
+    last_val = metrics_rows(run_dir)[-1]
     capsys.readouterr()
     imagenet_nd.main([str(tiny_data), *FAST_ARGS, "--evaluate", "--resume", str(run_dir / CHECKPOINT_NAME)])
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("validation:")]
     assert f"loss {float(last_val['loss']):.4f}" in line
     assert f"top1 {float(last_val['top1']):.2f}%" in line and "(9 images" in line
-    assert len(read_metrics(run_dir)) == 4  # evaluation writes nothing
+    assert len(metrics_rows(run_dir)) == 4  # evaluation writes nothing
 
 
 def test_desired_acc_stops_after_the_epoch_that_reaches_it(tiny_data, tmp_path, capsys):
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "5", "--desired-acc", "0.01")
-    assert [row["epoch"] for row in read_metrics(run_dir)] == ["0", "0"]
+    assert [row["epoch"] for row in metrics_rows(run_dir)] == ["0", "0"]
     assert "reached --desired-acc 1%" in capsys.readouterr().out
 
 
@@ -169,8 +154,6 @@ def test_existing_run_name_is_never_overwritten(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_resume_refuses_other_classes_or_architecture(tiny_data, tmp_path):
-    from conftest import make_image_folder
-
     run_dir = train(tiny_data, tmp_path / "runs", "--epochs", "1")
     other = make_image_folder(tmp_path / "other", classes=4, train_per_class=4, val_per_class=1)
     for evaluate in ([], ["--evaluate"]):
@@ -213,13 +196,13 @@ def test_a_signal_in_the_last_step_stops_before_validation_and_the_resume_loses_
             signal.signal(signum, handler)
     assert stopped.value.code == 75 and validated == []  # validation would have delayed the checkpoint
     run_dir = tmp_path / "split" / "r"
-    state = torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)
+    state = load_checkpoint(run_dir / CHECKPOINT_NAME)
     assert (state["epoch"], state["step"], state["images_done"]) == (0, 6, 24)  # 6 steps of 4: all of epoch 0
     monkeypatch.setattr(engine.Trainer, "train_one_epoch", real_train_one_epoch)
     train(tiny_data, tmp_path / "split", *command)
     assert validated == [0, 1]
     assert max_abs_diff(weights(uninterrupted / CHECKPOINT_NAME), weights(run_dir / CHECKPOINT_NAME)) <= 1e-6
-    resumed, full = read_metrics(run_dir), read_metrics(uninterrupted)
+    resumed, full = metrics_rows(run_dir), metrics_rows(uninterrupted)
     assert [(row["epoch"], row["split"], row["images"], row["steps"], row["lr"]) for row in resumed] == \
         [(row["epoch"], row["split"], row["images"], row["steps"], row["lr"]) for row in full]
     assert all(float(ours["loss"]) == pytest.approx(float(theirs["loss"]), abs=1e-6)
