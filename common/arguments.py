@@ -20,7 +20,7 @@ class Parser(argparse.ArgumentParser):
 
     def _get_values(self, action, arg_strings):
         # `--epochs=--`: argparse (3.11) drops the "--" as the end-of-options marker and hands the flag an
-        # empty list instead of a value, which no check downstream expects. Found by tests/test_cli_fuzz.py.
+        # empty list instead of a value, which no check downstream expects. Found by tests/unit/test_cli_fuzz.py.
         if action.option_strings and action.nargs is None and arg_strings == ["--"]:
             self.error(f"argument {'/'.join(action.option_strings)}: expected one argument, got '--'")
         return super()._get_values(action, arg_strings)

@@ -21,7 +21,7 @@ and sets the model's memory format there, as for every backend. On the CPU
 which is what the tests use. The crop boxes and flips are the project's own,
 so DALI cuts the same boxes as the other backends (a resumed run equals an
 uninterrupted one); only the resampling arithmetic differs (DALI's
-antialiased linear resize; tests/test_dali.py bounds the difference).
+antialiased linear resize; tests/e2e/test_dali.py bounds the difference).
 Validation decodes whole files, resizes the short side to --val-resize and
 cuts the centre crop, as the other backends do, in one resize of that region.
 

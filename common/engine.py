@@ -101,7 +101,7 @@ def sgd_implementation(on_gpu: bool, loss_scaling: bool) -> dict:
     SGD (2.11 to 2.15 at least) writes its momentum buffers on a step the
     GradScaler skips for overflowing gradients, and on the first step leaves
     them uninitialised, so the routine overflow of the first fp16 steps turns
-    the weights to NaN one step later (tests/test_precision.py shows it)."""
+    the weights to NaN one step later (tests/e2e/test_precision.py shows it)."""
     return {"fused": True} if on_gpu and not loss_scaling else {"foreach": True}
 
 

@@ -39,7 +39,7 @@ class JpegDecoder:
     the data-loading workers with their pipeline, so they neither probe nor
     warn; the run's header says which (describe) and config.json records it.
     All three are libjpeg-turbo underneath: the same pixels, and so the same
-    crops (tests/test_decoders.py)."""
+    crops (tests/unit/test_decoders.py)."""
 
     name: str  # torchcodec | torchvision | pillow
     version: str

@@ -5,7 +5,7 @@ training crop and flip are drawn the same way by all four (torchvision's
 RandomResizedCrop.get_params, then one draw for the flip), from the torch
 generator common.data seeds per image, so for one seed every backend cuts
 the same box of the same image; only the resampling arithmetic differs
-(tests/test_pipelines.py bounds the pixel difference).
+(tests/unit/test_pipelines.py bounds the pixel difference).
 
   pil          the plain reference: Pillow decodes, crops and resizes, then
                ToTensor and Normalize make float32 in the data-loading

@@ -1,6 +1,6 @@
 """Robustness end to end: datasets as they really are (--bad-images), a NaN
 loss on one process, memory across epochs and room for the checkpoints.
-(Host lists that try to inject shell commands: tests/test_run_scripts.py.)
+(Host lists that try to inject shell commands: tests/e2e/test_run_scripts.py.)
 
 The odd dataset holds every surprise at once: a PNG named .JPEG, CMYK,
 grayscale, palette, RGBA and 16-bit images (all readable), zero-byte,
