@@ -42,7 +42,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     model, comm_hook = comm.distributed_model(model, cfg, ctx)
 
     optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # --resume, training, validation; or --evaluate
+    session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # resume, train, validate; or --evaluate
 
 
 if __name__ == "__main__":

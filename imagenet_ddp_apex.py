@@ -28,7 +28,8 @@ def main(argv=None):
 def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
-    policy = precision.build_policy(cfg.opt_level, cfg.amp_dtype, ctx.device, cfg.keep_batchnorm_fp32, cfg.loss_scale)
+    policy = precision.build_policy(cfg.opt_level, cfg.amp_dtype, ctx.device, cfg.keep_batchnorm_fp32,
+                                    cfg.loss_scale)  # --opt-level: Apex's O0..O3 with native AMP
     plan = session.Plan.of(cfg, ctx, policy)  # global batch, scaled lr, memory format: derived once
 
     loaders = data.build_loaders(cfg, ctx)
@@ -42,9 +43,9 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     # (--ddp-comm-hook: what it sends; --bucket-cap-mb, --static-graph: how).
     model, comm_hook = comm.distributed_model(model, cfg, ctx)
 
-    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay,  # fused on GPUs (not under fp16 loss scaling)
+    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay,  # fused on GPUs, not under fp16 scaling
                            loss_scaling=policy.scales_loss)
-    session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # --resume, training, validation; or --evaluate
+    session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # resume, train, validate; or --evaluate
 
 
 if __name__ == "__main__":

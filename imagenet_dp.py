@@ -44,7 +44,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
         model = torch.nn.DataParallel(model)  # splits each batch over the GPUs, gathers the outputs on cuda:0
 
     optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    session.run(plan, ctx, log, model, optimizer, policy, loaders)  # --resume, training, validation; or --evaluate
+    session.run(plan, ctx, log, model, optimizer, policy, loaders)  # resume, train, validate; or --evaluate
 
 
 if __name__ == "__main__":

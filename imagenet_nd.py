@@ -34,7 +34,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 
     optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
-    session.run(plan, ctx, log, model, optimizer, policy, loaders)  # --resume, training, validation; or --evaluate
+    session.run(plan, ctx, log, model, optimizer, policy, loaders)  # resume, train, validate; or --evaluate
 
 
 if __name__ == "__main__":

@@ -297,7 +297,8 @@ class ResumePoint:
     path: Optional[str] = None  # the checkpoint resumed from
 
 
-def _choose_checkpoint(cfg: Config, ctx: Context, log, auto_dir: Optional[Path]) -> Tuple[Optional[str], Optional[dict]]:
+def _choose_checkpoint(cfg: Config, ctx: Context, log,
+                       auto_dir: Optional[Path]) -> Tuple[Optional[str], Optional[dict]]:
     """The file --resume names; for `auto`, the primary's choice in `auto_dir`
     (the run directory, on the primary), on every process, or None to start
     from scratch. With it, the state the primary loaded to choose it (None elsewhere)."""
