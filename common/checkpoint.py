@@ -337,8 +337,7 @@ def _changed_recipe(saved: dict, now: dict) -> str:
 
 
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
-           global_batch: int, lr: float, comm_hook: Optional[CommHook] = None,
-           auto_dir: Optional[Path] = None) -> ResumePoint:
+           global_batch: int, lr: float, auto_dir: Optional[Path], comm_hook: Optional[CommHook] = None) -> ResumePoint:
     """Where to start: --start-epoch without --resume; otherwise restore model,
     optimizer, precision policy and RNG states from the checkpoint --resume
     names (or, with `auto`, the newest readable one of `auto_dir`, the run

@@ -257,9 +257,10 @@ class RunLock:
     opens run.lock. The file is never removed while in use (removing it would
     let a second run lock a new file of that name)."""
 
-    def __init__(self, path: Path, descriptor: Optional[int]):
+    def __init__(self, path: Path, descriptor: Optional[int], created: bool = False):
         self.path = path
         self._descriptor = descriptor  # None: the file system cannot lock
+        self.created = created  # this run made the file: a start that fails removes it, locked or not
 
     @property
     def held(self) -> bool:
@@ -272,6 +273,7 @@ class RunLock:
         process has it. A stale lock is taken over, with a warning; on a file
         system without locks, a warning, and the run goes on unlocked."""
         path = Path(run_dir) / LOCK_NAME
+        created = not path.exists()
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
@@ -286,7 +288,7 @@ class RunLock:
                                  f"({path}); wait for it to end or stop it, or choose another {flag}") from None
             print(f"warning: cannot lock {path} ({error.strerror}): this file system has no locks, so a second "
                   f"run started in {run_dir} would not be refused", file=sys.stderr, flush=True)
-            return RunLock(path, None)
+            return RunLock(path, None, created)
         previous = _read_lock_record(descriptor)
         mine = {"host": socket.gethostname(), "pid": os.getpid(),
                 "started": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -301,14 +303,17 @@ class RunLock:
         if previous and (previous.get("host"), previous.get("pid")) != (mine["host"], mine["pid"]):
             print(f"warning: {run_dir} was still locked by {_describe_holder(previous)}, which is gone (killed, "
                   f"or its node failed): taking the lock over", file=sys.stderr, flush=True)
-        return RunLock(path, descriptor)
+        return RunLock(path, descriptor, created)
 
     def release(self, remove: bool = False) -> None:
         """Give the directory back before the process ends: the record is
         emptied (so the next run finds a released lock, not a stale one to
         warn about), or the file removed (`remove`: with the new directory it
         was made in, which a failed start removes again)."""
-        if self._descriptor is None:
+        if self._descriptor is None:  # no lock to drop; a file this failed start made goes with its directory
+            if remove and self.created:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
             return
         with contextlib.suppress(OSError):
             if remove:

@@ -77,6 +77,28 @@ def test_a_lock_that_cannot_be_written_is_one_line_and_leaves_no_directory(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("file_system_locks", [True, False])
+def test_a_start_that_fails_before_config_json_leaves_nothing_it_made(tmp_path, monkeypatch, file_system_locks):
+    """The run directory is opened and locked before --resume reads from it (common/session.py): a start
+    that then fails (a refused checkpoint) removes the directory, its run.lock and the --logdir folders it
+    made, whether or not the file system can lock; a resumed directory and anything already there stay."""
+    if not file_system_locks:  # NFS without a lock daemon: lockf fails, the run goes on unlocked
+        def no_locks(*args):
+            raise OSError(37, "No locks available")
+
+        monkeypatch.setattr(rundir.fcntl, "lockf", no_locks)
+    logdir = tmp_path / "made" / "runs"
+    opened = _open(logdir)
+    assert (opened.path / "run.lock").is_file()
+    opened.close(started=False)
+    assert list(tmp_path.iterdir()) == []  # made/runs/X, its run.lock, runs/ and made/: all gone
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("the user's")
+    opened = _open(tmp_path / "kept")
+    opened.close(started=False)
+    assert sorted(path.name for path in (tmp_path / "kept").iterdir()) == ["notes.txt"]
+
+
 # --- item 4: two runs in one run directory ---
 
 @pytest.mark.slow
