@@ -22,6 +22,7 @@ torch, comm, data, distributed, engine, models, precision, session, spawn, telem
 
 def main(argv=None):
     cfg = cli.parse("ddp", argv)
+    lazy.import_now()  # the flags are good: torch and the rest, before any process group starts its threads
     spawn.start(train, cfg)  # train() runs here (torchrun, launch, srun) or in one process per GPU
 
 

@@ -22,6 +22,7 @@ torch, data, distributed, engine, models, precision, session, telemetry = lazy.m
 
 def main(argv=None):
     cfg = cli.parse("dp", argv)
+    lazy.import_now()  # the flags are good: torch and the rest, before any process group starts its threads
     train(cfg, distributed.data_parallel(cfg.device))
 
 

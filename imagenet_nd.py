@@ -18,6 +18,7 @@ data, distributed, engine, models, precision, session, telemetry = lazy.modules(
 
 def main(argv=None):
     cfg = cli.parse("nd", argv)
+    lazy.import_now()  # the flags are good: torch and the rest, before any process group starts its threads
     train(cfg, distributed.single_process(cfg.device))
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from common import lazy
 from common.config import Config
 from common.distributed import Context
 from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
@@ -77,6 +78,7 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     # takes too long).
     signal.signal(signal.SIGTERM, _interrupt)
     ignore_stop_signals_until_training()
+    lazy.import_now()  # what the script stands in for (common/lazy.py), before the process group's threads
     try:
         _run_worker(train, cfg, launch, local_rank, spawned=True)
     except (UsageError, KeyboardInterrupt) as error:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from common import rundir
+
 from helpers import (REPO, free_port, load_checkpoint, make_image_folder, max_abs_diff, metrics_rows, running,
                      single_run_dir, slowed_steps, weights, write_slow_steps)
 
@@ -259,8 +261,12 @@ def step_counts(step_log: Path) -> list:
 
 
 def snapshot(folder: Path) -> dict:
-    """Every file under `folder` with its size, modification time and content."""
-    return {str(path.relative_to(folder)): (path.stat().st_size, path.stat().st_mtime_ns, path.read_bytes())
+    """Every file under `folder` with its size, modification time and content; run.lock's time
+    aside: a start takes the directory's lock before it reads a checkpoint there (common/session.py),
+    so even a start refused for its checkpoints writes the lock's record and empties it again."""
+    return {str(path.relative_to(folder)): (path.stat().st_size,
+                                            None if path.name == rundir.LOCK_NAME else path.stat().st_mtime_ns,
+                                            path.read_bytes())
             for path in sorted(folder.rglob("*")) if path.is_file()}
 
 

@@ -704,4 +704,7 @@ def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys
         assert row["ms_per_step"] == pytest.approx(row["compute_ms"] + row["exposed_comm_ms"] + row["data_wait_ms"],
                                                    abs=0.02)
         assert row["compute_ms"] > 0 and row["data_wait_ms"] == 0
-    assert all(row["exposed_comm_ms"] > 0 for row in rows[1:])  # two processes exchange 44.6 MiB a step over gloo
+    # Two processes with fp32 all-reduces exchange 44.6 MiB a step over gloo: that step is slower than compute alone
+    # on any machine. PowerSGD's rank-1 factors are a few KiB, whose exposed time is within the timing's noise (a
+    # loaded Xeon measured it below zero once): its row is checked to add up, above, not to be positive.
+    assert rows[1]["exposed_comm_ms"] > 0
