@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from common import cli, config, lazy
 
-# torch, and the modules of common/ that use it, load at their first use, after the flags are read:
+# torch, and the modules of common/ that use it, are imported once the flags are read (main, lazy.import_now):
 # --help and a mistake in a flag answer at once, not after the ~4 s import of torch and torchvision.
 torch, data, distributed, engine, models, precision, session, telemetry = lazy.modules(
     "torch", "common.data", "common.distributed", "common.engine", "common.models", "common.precision",
