@@ -155,7 +155,7 @@ def test_bottom_layer_imports_only_the_bottom_layer():
 def test_the_module_table_is_read_from_the_architecture_page():
     assert {name for name, floor in FLOOR.items() if floor < len(BOTTOM)} == BOTTOM  # the bottom floor comes first
     assert FLOOR["common.files"] < FLOOR["common.dataset_lists"] < FLOOR["common.data"] < FLOOR["common.rundir"]
-    assert FLOOR["common.tools.bench.cli"] == FLOOR["common.tools.scaling"] == max(FLOOR.values())
+    assert FLOOR["common.tools.bench.command_line"] == FLOOR["common.tools.scaling"] == max(FLOOR.values())
     assert set(MODULES) - PACKAGES <= set(FLOOR), sorted(set(MODULES) - PACKAGES - set(FLOOR))  # each has its row
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from common.errors import UsageError
-from common.tools.bench import cli, flops, processes, repeats, report, sections, targets
+from common.tools.bench import command_line, flops, processes, repeats, report, sections, targets
 from common.tools.bench.gpu_monitor import GpuMonitor, GpuSample, gpu_state, gpus_to_sample, parse_gpu_sample
 from common.tools.bench.settings import Settings
 from common.tools.scaling import bus_bandwidth
@@ -185,7 +185,7 @@ def test_a_configuration_that_fails_gets_a_row_saying_why_and_the_others_go_on(t
     # The command writes every row, then exits with status 1, naming what failed.
     csv_path = tmp_path / "bench.csv"
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["--sections", "train", "--configs", "nd", "nd contiguous", "-b", "4", "--image-size", "32",
+        command_line.main(["--sections", "train", "--configs", "nd", "nd contiguous", "-b", "4", "--image-size", "32",
                   "--csv", str(csv_path)])
     assert stopped.value.code == 1
     with open(csv_path, newline="") as handle:
@@ -296,11 +296,11 @@ def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monk
 def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():
     for device, batch, warmup, steps, input_batches in (("cuda", 256, 10, 40, 40), ("cpu", 32, 3, 8, 10)):
         plan = settings(device=device, batch_size=batch, warmup_steps=warmup, steps=steps, input_batches=input_batches)
-        files = cli.FAKE_CLASSES * cli.fake_imagenet_per_class(plan)
+        files = command_line.FAKE_CLASSES * command_line.fake_imagenet_per_class(plan)
         assert files >= batch * (warmup + steps + 1)  # an end-to-end run's batches, and one the sampler may drop
         assert files >= batch * (input_batches + 2)
     gpu = settings(batch_size=256, warmup_steps=10, steps=40, input_batches=40)
-    assert cli.FAKE_CLASSES * cli.fake_imagenet_per_class(gpu) == 13056  # 51 batches of 256 for 50 read
+    assert command_line.FAKE_CLASSES * command_line.fake_imagenet_per_class(gpu) == 13056  # 51 batches of 256 for 50 read
 
 
 def test_training_flops_per_image_are_counted_forward_and_backward():
@@ -434,9 +434,9 @@ def test_a_rows_gpu_state_is_over_the_busy_samples_of_all_its_repeats():
 
 def test_command_line_mistakes_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--input-rounds: replaced by --repeats N"):
-        cli.main(["--input-rounds", "3"])
+        command_line.main(["--input-rounds", "3"])
     with pytest.raises(UsageError, match="--backends: gpu decodes on a GPU; it needs --device cuda"):
-        cli.main(["--device", "cpu", "--backends", "gpu", "--csv", str(tmp_path / "x.csv")])
+        command_line.main(["--device", "cpu", "--backends", "gpu", "--csv", str(tmp_path / "x.csv")])
 
 
 # --- the harness as a command, in real processes (slow) ---
@@ -562,7 +562,7 @@ def test_the_data_scale_section_times_a_cached_restart_and_measures_the_list(tmp
     from common.dataset_lists import scan_split
     from common.tools.bench import data_scale
 
-    cli.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),
+    command_line.main(["--sections", "data-scale", "--data-scale", "10", "20", "--data-cache", str(tmp_path / "cache"),
               "--csv", str(tmp_path / "scale.csv")])
     with open(tmp_path / "scale.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -670,10 +670,10 @@ def test_exposed_communication_is_the_step_less_the_same_step_without_synchronis
 
 def test_comm_flags_mistakes_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--comm-world-size: 1 process: communication needs at least 2"):
-        cli.main(["--device", "cpu", "--sections", "comm", "--comm-world-size", "1", "--csv", str(tmp_path / "x")])
+        command_line.main(["--device", "cpu", "--sections", "comm", "--comm-world-size", "1", "--csv", str(tmp_path / "x")])
     with pytest.raises(UsageError, match="--comm-sizes: expected a size like 4KiB, 64MiB or bytes"):
-        cli.main(["--device", "cpu", "--sections", "comm", "--comm-sizes", "4 parsecs"])
-    assert cli.parse_size("64MiB") == 64 << 20 and cli.parse_size("4KiB") == 4096 and cli.parse_size("512") == 512
+        command_line.main(["--device", "cpu", "--sections", "comm", "--comm-sizes", "4 parsecs"])
+    assert command_line.parse_size("64MiB") == 64 << 20 and command_line.parse_size("4KiB") == 4096 and command_line.parse_size("512") == 512
 
 
 def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
@@ -697,7 +697,7 @@ def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
 def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys):
     # Two of the four hooks (CI's time): none, and PowerSGD, the one with state and extra arithmetic.
     monkeypatch.setattr(sections, "SCALING_HOOKS", ("none", "powersgd"))
-    cli.main(["--device", "cpu", "--sections", "scaling", "--csv", str(tmp_path / "bench.csv")])
+    command_line.main(["--device", "cpu", "--sections", "scaling", "--csv", str(tmp_path / "bench.csv")])
     rows = json_rows(capsys.readouterr().out)
     assert [(row["world_size"], row["hook"]) for row in rows] == [(1, "none"), (2, "none"), (2, "powersgd")]
     for row in rows:

@@ -46,9 +46,9 @@ what ran, on what, with which versions); all of them go to a CSV (--csv) that
 The ratios at the end are what the README's targets are stated in.
 Timings on a shared or small machine are noisy: compare ratios from one run.
 
-The package, one job a module (`python -m common.tools.bench` runs cli.main):
+The package, one job a module (`python -m common.tools.bench` runs command_line.main):
 
-  cli           the command: its flags, the defaults that depend on the device,
+  command_line  the command: its flags, the defaults that depend on the device,
                 the sections asked for run in turn, the summary at the end
   sections      what each section measures: its configurations and their rows
   repeats       each configuration N times round-robin, then one row of medians

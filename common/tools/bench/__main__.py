@@ -1,6 +1,6 @@
-"""`python -m common.tools.bench`: the benchmark's command (cli.main)."""
+"""`python -m common.tools.bench`: the benchmark's command (command_line.main)."""
 from common.errors import run_main
-from common.tools.bench.cli import build_parser, main  # build_parser: what the docs' commands are checked against
+from common.tools.bench.command_line import build_parser, main  # build_parser: what the docs' commands are checked against
 
 __all__ = ["build_parser", "main"]
 

@@ -40,7 +40,7 @@ from common.errors import run_main
 from common.tools.scaling import bus_bandwidth
 
 KIB, MIB = 1 << 10, 1 << 20
-# When run alone (python -m common.tools.bench.comm_bench): the CPU sizes of `make bench` (cli.comm_sizes_default).
+# When run alone (python -m common.tools.bench.comm_bench): the CPU sizes of `make bench` (command_line.comm_sizes_default).
 CPU_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB)
 
 

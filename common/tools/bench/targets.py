@@ -1,5 +1,5 @@
 """The README's targets, and the lines that hold a run's rows against them:
-printed at the end of a run (cli) and under each table of RESULTS.md
+printed at the end of a run (command_line) and under each table of RESULTS.md
 (common.tools.results). Speed-ups over the plain reference on the CPU, a
 GPU's images/s and the spread of its repeats, real JPEGs over synthetic
 data end to end, the data-scale section's costs, and summaries of the comm
