@@ -61,6 +61,11 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     directory (opened and locked first), --resume (to the step) from it, the
     configuration record and fit()."""
     cfg = plan.config
+    # The sampler cuts the epoch by its own count of the same three factors (it positions the images a
+    # checkpoint resumes at); a disagreement would train one batch and log, scale and save another.
+    if loaders.global_batch != plan.global_batch:
+        raise RuntimeError(f"the training sampler's global batch {loaders.global_batch} is not the plan's "
+                           f"{plan.global_batch} (-b x --accum-steps x replicas)")
     _describe_setup(log, policy, loaders, comm_hook, cfg)
     schedule = LRSchedule(plan.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)

@@ -378,8 +378,14 @@ def _finish(fig, ax, runs: Sequence[Run], legend_loc: str = "best"):
     return fig
 
 
-def _count_axes(table: pd.DataFrame, log_y: bool):
-    """A figure whose x-axis is log2, ticked at the GPU counts present."""
+def _count_figure(table: pd.DataFrame, column: str, log_y: bool):
+    """For a figure of `column` against the GPU count: None when no row has
+    it; otherwise the figure, its axes (x log2, ticked at the counts present)
+    and, per hardware series, (colour, series, its rows, legend note on
+    averaged runs)."""
+    table = table.dropna(subset=[column])
+    if table.empty:
+        return None
     fig, ax = plt.subplots(figsize=(8, 5.5))
     kinds, counts = set(table["device_kind"]), sorted(set(table["gpus"]))
     ax.set_xscale("log", base=2)
@@ -390,14 +396,11 @@ def _count_axes(table: pd.DataFrame, log_y: bool):
     if log_y:  # plain numbers (1,024, not 2^10) on the log axis
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:.3g}"))
-    return fig, ax
-
-
-def _per_series(table: pd.DataFrame):
-    """(colour, series, its rows, legend note on averaged runs) per hardware series."""
-    for index, (series, rows) in enumerate(table.groupby("series", sort=True)):
+    series = []
+    for index, (name, rows) in enumerate(table.groupby("series", sort=True)):
         note = "" if (rows["runs"] == 1).all() else " (mean of " + "/".join(map(str, rows["runs"])) + " runs)"
-        yield f"C{index}", series, rows, note
+        series.append((f"C{index}", name, rows, note))
+    return fig, ax, series
 
 
 def accuracy_figure(runs: Sequence[Run], column: str, ylabel: str, smooth: float = 0.0):
@@ -421,11 +424,11 @@ def accuracy_figure(runs: Sequence[Run], column: str, ylabel: str, smooth: float
 
 def throughput_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Mean global training images/s vs GPU count, with the ideal linear line from the smallest count."""
-    table = table.dropna(subset=["images_per_second"])
-    if table.empty:
+    drawn = _count_figure(table, "images_per_second", log_y=True)
+    if drawn is None:
         return None
-    fig, ax = _count_axes(table, log_y=True)
-    for colour, series, rows, note in _per_series(table):
+    fig, ax, per_series = drawn
+    for colour, series, rows, note in per_series:
         ax.plot(rows["gpus"], rows["images_per_second"], "o-", color=colour, label=series + note)
         first = rows.iloc[0]
         ax.plot(rows["gpus"], first["images_per_second"] * rows["gpus"] / first["gpus"], "--", color=colour,
@@ -436,11 +439,11 @@ def throughput_figure(table: pd.DataFrame, runs: Sequence[Run]):
 
 def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Scaling efficiency (%) vs GPU count, baseline: the smallest count of each series."""
-    table = table.dropna(subset=["scaling_efficiency_percent"])
-    if table.empty:
+    drawn = _count_figure(table, "scaling_efficiency_percent", log_y=False)
+    if drawn is None:
         return None
-    fig, ax = _count_axes(table, log_y=False)
-    for colour, series, rows, note in _per_series(table):
+    fig, ax, per_series = drawn
+    for colour, series, rows, note in per_series:
         first = rows.iloc[0]
         ax.plot(rows["gpus"], rows["scaling_efficiency_percent"], "o-", color=colour,
                 label=f"{series} (baseline {count_label(first['gpus'], first['device_kind'])}: "
@@ -457,11 +460,11 @@ def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
 def training_time_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Training time (h) vs GPU count; the legend gives each series' usual
     epoch count, and a point that ran another number of epochs says so."""
-    table = table.dropna(subset=["training_seconds"])
-    if table.empty:
+    drawn = _count_figure(table, "training_seconds", log_y=True)
+    if drawn is None:
         return None
-    fig, ax = _count_axes(table, log_y=True)
-    for colour, series, rows, note in _per_series(table):
+    fig, ax, per_series = drawn
+    for colour, series, rows, note in per_series:
         hours, usual = rows["training_seconds"] / 3600, rows["epochs"].mode().iloc[0]
         ax.plot(rows["gpus"], hours, "o-", color=colour, label=f"{series}, {usual} epochs{note}")
         for gpus, value, epochs in zip(rows["gpus"], hours, rows["epochs"]):

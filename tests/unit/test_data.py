@@ -195,6 +195,19 @@ def test_data_parallel_feeds_one_batch_per_gpu_from_one_process(tmp_path):
     assert len(loaders.train) == 16 // 8
 
 
+@pytest.mark.parametrize("script, extra, world_size, replicas_per_process", [
+    ("nd", [], 1, 1), ("dp", [], 1, 2), ("ddp", ["--accum-steps", "3"], 2, 1)])
+def test_the_sampler_cuts_the_global_batch_the_plan_logs_scales_and_saves(
+        tmp_path, script, extra, world_size, replicas_per_process):
+    from common import precision, session
+    root = make_image_folder(tmp_path, classes=2, train_per_class=24, val_per_class=2)
+    cfg = parse(script, [str(root), *FAST_ARGS, "-j", "0", *extra])
+    ctx = dataclasses.replace(CPU, world_size=world_size, replicas_per_process=replicas_per_process)
+    plan = session.Plan.of(cfg, ctx, precision.FP32())
+    assert plan.global_batch == cfg.batch_size * cfg.accum_steps * world_size * replicas_per_process
+    assert build_loaders(cfg, ctx).global_batch == plan.global_batch
+
+
 def test_batch_larger_than_the_training_set_is_refused(tmp_path):
     root = make_image_folder(tmp_path, classes=2, train_per_class=3, val_per_class=1)
     cfg = parse("nd", [str(root), *FAST_ARGS, "-b", "7"])
