@@ -134,19 +134,18 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     older version's metrics.csv, being resumed) is first rewritten with these,
     its rows kept, so every row matches the header. An append that fails (a
     full disk) raises and is undone: the file is cut back to its size before
-    (a new one removed), never left with half a row, nor shorter. A file
-    whose last row a crash cut short gets the new rows on a line of their own."""
+    (a new one removed), never left with half a row, nor shorter. A last row
+    that a killed process left unfinished (no line break) is cut off first
+    (_cut_unfinished_row); rewritten, only whole rows are kept."""
     new_file = not path.is_file()
-    text = io.StringIO(newline="")
     if not new_file:
         with open(path, **CSV_TEXT) as handle:  # the header only, unless it differs (io.csv grows long)
-            header = next(csv.reader(handle), None)
-        if header != columns:
+            header_line = handle.readline()
+        if next(csv.reader([header_line]), None) != columns or not header_line.endswith("\n"):
             rewrite_rows(path, columns, read_whole_rows(path).rows)
-        elif not _ends_a_line(path):
-            # A row a crash cut short: the new rows start on a line of their own, not glued to it (where
-            # they would make one line of too many fields); readers name the cut row (read_whole_rows).
-            text.write("\r\n")
+        else:
+            _cut_unfinished_row(path)
+    text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=columns)
     if new_file:
         writer.writeheader()
@@ -154,13 +153,25 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     append_whole(path, text.getvalue().encode(CSV_TEXT["encoding"], CSV_TEXT["errors"]), remove_if_new=new_file)
 
 
-def _ends_a_line(path: Path) -> bool:
-    """Whether the file is empty or its last byte ends a line."""
-    with open(path, "rb") as handle:
-        if handle.seek(0, os.SEEK_END) == 0:
-            return True
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) == b"\n"
+def _cut_unfinished_row(path: Path, chunk_bytes: int = 65536) -> None:
+    """Cut a file back to the end of its last whole line. Appended to, a
+    row a process was killed writing would take the next row into its line
+    (too many fields: both lost to readers), or, cut inside its last value,
+    end as a whole-looking row holding half a number. It was never written
+    whole; a resume sets metrics.csv's aside first (RunDirectory.set_aside_after).
+    The file's first line ends with a line break (append_rows checked)."""
+    with open(path, "rb+") as handle:
+        end = position = handle.seek(0, os.SEEK_END)
+        while position > 0:
+            start = max(0, position - chunk_bytes)
+            handle.seek(start)
+            chunk = handle.read(position - start)
+            line_end = chunk.rfind(b"\n")
+            if line_end >= 0:
+                if start + line_end + 1 < end:
+                    handle.truncate(start + line_end + 1)
+                return
+            position = start
 
 
 @dataclasses.dataclass
