@@ -176,8 +176,8 @@ def _rank_within(environ: Mapping[str, str], name: str, count: int, count_name: 
     `count` (0 to count - 1), `count_name` saying where that count came from."""
     value = _environment_int(environ, name)
     if not 0 <= value < count:
-        raise RankOutsideError(f"environment variable {name}={value} is outside 0 to {count - 1}, the ranks of the "
-                         f"{count} process(es) {count_name} says")
+        raise RankOutsideError(f"environment variable {name}={value} is outside 0 to {count - 1}, the ranks of "
+                               f"the {count} process(es) {count_name} says")
     return value
 
 
@@ -208,8 +208,8 @@ def _torchrun_launch(cfg: Config, environ: Mapping[str, str]) -> Launch:
     if "LOCAL_RANK" in environ:
         local_rank = _rank_within(environ, "LOCAL_RANK", procs_per_node, where)
     elif not 0 <= cfg.local_rank < procs_per_node:
-        raise UsageError(f"argument --local-rank: {cfg.local_rank} is outside 0 to {procs_per_node - 1}, the ranks "
-                         f"of the {procs_per_node} process(es) {where} says")
+        raise RankOutsideError(f"argument --local-rank: {cfg.local_rank} is outside 0 to {procs_per_node - 1}, the "
+                               f"ranks of the {procs_per_node} process(es) {where} says")
     else:
         local_rank = cfg.local_rank
     launcher = "torch.distributed.launch" if cfg.local_rank is not None else "torchrun"
