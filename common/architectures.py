@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-CACHE_FOLDER_NAME = "imagenet-reference"  # under the user's cache folder, as common.dataset_lists' file lists
+from common.files import user_cache_folder
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,20 +52,6 @@ def _installed_torchvision_version() -> Optional[str]:
     try:
         return importlib.metadata.version("torchvision")
     except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def user_cache_folder() -> Optional[Path]:
-    """This project's folder in the user's cache folder, by the XDG base
-    directory rules: $XDG_CACHE_HOME when it is an absolute path (a relative
-    one is ignored), else ~/.cache. None without either (no home folder, as
-    some containers run)."""
-    configured = os.environ.get("XDG_CACHE_HOME", "")
-    if os.path.isabs(configured):
-        return Path(configured) / CACHE_FOLDER_NAME
-    try:
-        return Path.home() / ".cache" / CACHE_FOLDER_NAME
-    except (RuntimeError, KeyError):  # Path.home() of a user with no home folder
         return None
 
 

@@ -125,10 +125,11 @@ def _add_data_flags(group) -> None:
     group.add_argument("--file-list", default=None, metavar="PATH",
                        help="train from a prepared list instead of scanning DATA: one 'train/<class>/<file> LABEL' or "
                             "'val/<class>/<file> LABEL' line per image, relative to DATA (DALI's file-list format; "
-                            "python -m common.tools.filelist DATA PATH writes one). Without it the primary process "
-                            "scans DATA once per job, and a later run reuses that scan (cached in "
-                            "~/.cache/imagenet-reference/, or under XDG_CACHE_HOME) while no folder of DATA has "
-                            "changed")
+                            "python -m common.tools.filelist DATA PATH writes one). A val/ path listed twice is "
+                            "refused; a train/ path listed again is trained on as often as listed. Without it the "
+                            "primary process scans DATA once per job, and a later run reuses that scan (cached in "
+                            "~/.cache/imagenet-reference/, or under an absolute XDG_CACHE_HOME) while no folder of "
+                            "DATA has changed")
     group.add_argument("--bad-images", choices=("fail", "skip"), default="fail",
                        help="an image file that cannot be decoded (truncated, empty, not an image, unreadable): "
                             "fail stops the run at once, naming it; skip replaces it with the next readable image "

@@ -26,7 +26,8 @@ Found once per job (find_lists): the primary process reads --file-list (a
 text file of "split/relative/path label" lines, the format of DALI's file
 reader, that `python -m common.tools.filelist` writes), or the cache of an
 earlier scan (a small .npz file, used while every folder the scan listed
-keeps its modification time), or scans DATA; the others receive its lists.
+keeps its modification and change times), or scans DATA; the others
+receive its lists.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import numpy as np
 
 from common.distributed import Context, decided_by_primary, spans_processes
 from common.errors import UsageError
-from common.files import atomic_write, on_shared_filesystem
+from common.files import atomic_write, on_shared_filesystem, user_cache_folder
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
@@ -142,14 +143,23 @@ def unpack(buffer: np.ndarray, ends: np.ndarray) -> List[bytes]:
 class DatasetLists:
     """A dataset's class names and both splits' samples; the notes to show
     before training (the scan's warnings); and the folders the scan listed,
-    each with its modification time (ns) read before listing it: a folder's
-    time changes when a file in it is added, removed or renamed, so a cached
+    each with its times (folder_times) read before listing it: a folder's
+    times change when a file in it is added, removed or renamed, so a cached
     scan whose folders all keep theirs still lists the tree."""
     classes: List[str]
     train: FileList
     val: FileList
     notes: List[str] = dataclasses.field(default_factory=list)
-    folders: List[Tuple[str, int]] = dataclasses.field(default_factory=list)
+    folders: List[Tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+
+def folder_times(folder: str) -> Tuple[str, int, int]:
+    """(folder, modification time, change time), in ns. Either changes when
+    a file in the folder is added, removed or renamed; the modification time
+    can be set back afterwards (touch -r, rsync -t, a restore tool), but the
+    change time cannot: setting the other times sets it to now."""
+    status = os.stat(folder)
+    return folder, status.st_mtime_ns, status.st_ctime_ns
 
 
 # --- scanning DATA ---
@@ -177,7 +187,7 @@ class FolderOwners:
 
 
 def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
-                 folders: Optional[List[Tuple[str, int]]] = None) -> List[str]:
+                 folders: Optional[List[Tuple[str, int, int]]] = None) -> List[str]:
     """Image files under a class folder (recursively, following symlinks),
     by extension, case-insensitive. Hidden files and folders, other
     extensions and anything that is not a regular file (a FIFO would block
@@ -185,8 +195,8 @@ def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
     --bad-images policy reports it. A folder that cannot be listed stops the
     run, naming it: silently fewer images would be a different dataset.
     `owners` notes which real folders this class folder reached; `folders`
-    gets each folder listed, with its modification time read before listing
-    it (the cache's check: load_cache)."""
+    gets each folder listed, with its times read before listing it (the
+    cache's check: load_cache)."""
     found = []
     pending = [str(class_dir)]
     seen = set()  # real paths: a symlink back up the tree must not loop forever
@@ -200,7 +210,7 @@ def _image_files(class_dir: Path, owners: Optional[FolderOwners] = None,
             owners.claim(real_folder, str(class_dir))
         try:
             if folders is not None:
-                folders.append((folder, os.stat(folder).st_mtime_ns))
+                folders.append(folder_times(folder))
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as error:
             raise UsageError(f"{folder}: cannot list the folder ({error.strerror})") from None
@@ -239,17 +249,17 @@ def _is_broken_link(entry: os.DirEntry) -> bool:
 
 def scan_split(split_dir: Path, class_to_idx: Optional[Dict[str, int]] = None,
                owners: Optional[FolderOwners] = None,
-               folders: Optional[List[Tuple[str, int]]] = None) -> Tuple[List[str], FileList]:
+               folders: Optional[List[Tuple[str, int, int]]] = None) -> Tuple[List[str], FileList]:
     """The classes and (path, class index) samples of one split folder.
 
     With `class_to_idx` (train's mapping, when scanning val/) every class
     folder must be one of train's classes. `owners`, shared by the splits
     of a dataset, notes folders reached from two class folders; `folders`
-    gets every folder listed and its modification time (_image_files).
+    gets every folder listed and its times (_image_files).
     """
     try:
         if folders is not None:
-            folders.append((str(split_dir), os.stat(split_dir).st_mtime_ns))
+            folders.append(folder_times(str(split_dir)))
         entries = [entry for entry in os.scandir(split_dir) if not entry.name.startswith(".")]
     except OSError as error:
         raise UsageError(f"{split_dir}: cannot list the folder ({error.strerror})") from None
@@ -286,21 +296,21 @@ def scan_dataset(root: Path) -> DatasetLists:
 
 # --- the scan's cache ---
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: each folder's change time beside its modification time
 
 
 def cache_file(data: str) -> Optional[Path]:
     """Where the scan of the dataset folder `data` is cached: in the user's
-    cache folder (XDG_CACHE_HOME, else ~/.cache), one file per dataset (by its
-    real path), so every run of the user on that data shares it; not in
-    LOGDIR, whose folders are the runs. None without either (no home folder)."""
+    cache folder (files.user_cache_folder: an absolute XDG_CACHE_HOME, else
+    ~/.cache), one file per dataset (by its real path), so every run of the
+    user on that data shares it; not in LOGDIR, whose folders are the runs.
+    None without either (no home folder)."""
+    folder = user_cache_folder()
+    if folder is None:
+        return None
     real = os.path.realpath(data)
     digest = hashlib.sha1(os.fsencode(real)).hexdigest()[:12]
-    try:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    except (RuntimeError, KeyError):  # Path.home() of a user with no home folder, as some containers run
-        return None
-    return base / "imagenet-reference" / "file-lists" / f"{os.path.basename(real) or 'root'}-{digest}.npz"
+    return folder / "file-lists" / f"{os.path.basename(real) or 'root'}-{digest}.npz"
 
 
 def _strings(name: str, values: Iterable[str]) -> Dict[str, np.ndarray]:
@@ -315,23 +325,25 @@ def _read_strings(arrays, name: str) -> List[str]:
 def save_cache(path: Path, lists: DatasetLists) -> None:
     """Write `lists` to `path` atomically (readers see the old file or the new one)."""
     arrays = {"version": np.int64(CACHE_VERSION), **_strings("classes", lists.classes),
-              **_strings("notes", lists.notes), **_strings("folders", [folder for folder, _ in lists.folders]),
-              "folder_mtimes": np.asarray([mtime for _, mtime in lists.folders], dtype=np.int64),
+              **_strings("notes", lists.notes), **_strings("folders", [folder for folder, *_ in lists.folders]),
+              "folder_mtimes": np.asarray([mtime for _, mtime, _ in lists.folders], dtype=np.int64),
+              "folder_ctimes": np.asarray([ctime for *_, ctime in lists.folders], dtype=np.int64),
               **lists.train.arrays("train"), **lists.val.arrays("val")}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda handle: np.savez(handle, **arrays))
 
 
 def load_cache(path: Path) -> Optional[DatasetLists]:
-    """The cached lists while every folder the scan listed keeps its
-    modification time; None (scan again) when there is no cache, it cannot be
-    read, it is of another version, or a folder changed or went away."""
+    """The cached lists while every folder the scan listed keeps both its
+    times (folder_times); None (scan again) when there is no cache, it cannot
+    be read, it is of another version, or a folder changed or went away."""
     try:
         with np.load(path, allow_pickle=False) as arrays:
             if int(arrays["version"]) != CACHE_VERSION:
                 return None
-            folders = list(zip(_read_strings(arrays, "folders"), arrays["folder_mtimes"].tolist()))
-            if not folders or any(os.stat(folder).st_mtime_ns != mtime for folder, mtime in folders):
+            folders = list(zip(_read_strings(arrays, "folders"), arrays["folder_mtimes"].tolist(),
+                               arrays["folder_ctimes"].tolist()))
+            if not folders or any(folder_times(listed[0]) != listed for listed in folders):
                 return None
             return DatasetLists(_read_strings(arrays, "classes"), FileList.from_arrays(arrays, "train"),
                                 FileList.from_arrays(arrays, "val"), _read_strings(arrays, "notes"), folders)
@@ -361,9 +373,39 @@ def read_text_list(list_path: str, data: str) -> DatasetLists:
     relative to DATA. The class names are the folders under train/ that the
     labels name, 0 to K-1 each naming one; val's lines must use train's
     labels. Every listed file must exist (each folder is listed once to see).
-    Any mistake is a UsageError naming the line or the file."""
+    A val/ path listed twice is refused (validation counts each image once);
+    a train/ path listed again is trained on as often as listed, and said in
+    a note. Any mistake is a UsageError naming the line or the file."""
     flag = f"argument --file-list: {list_path}"
+    by_split, repeats = _read_lines(list_path, flag)
+    if repeats["val"]:
+        number, first, relative = repeats["val"][0]
+        raise UsageError(f"{flag}: line {number}: val/{os.fsdecode(relative)} is listed again (first on line "
+                         f"{first}; {len(repeats['val'])} repeated val/ line(s) in all): validation counts each "
+                         f"image once; remove the repeats")
+    classes = _classes_of(by_split, flag)
+    _check_present(by_split, data, flag)
+    lists = [FileList(((os.fsdecode(os.fsencode(str(Path(data) / split)) + b"/" + relative), label)
+                       for relative, label in by_split[split]), prefix=str(Path(data) / split) + os.sep)
+             for split in SPLITS]
+    notes = []
+    if repeats["train"]:
+        number, first, relative = repeats["train"][0]
+        notes.append(f"note: --file-list {list_path}: {len(repeats['train'])} training line(s) repeat an earlier "
+                     f"line (the first: line {number}, train/{os.fsdecode(relative)}, as line {first}): those "
+                     f"images are trained on as often as they are listed")
+    return DatasetLists(classes, *lists, notes=notes)
+
+
+def _read_lines(list_path: str, flag: str) -> Tuple[Dict[str, List[Tuple[bytes, int]]],
+                                                     Dict[str, List[Tuple[int, int, bytes]]]]:
+    """--file-list's (relative path, label) entries by split, and each
+    split's repeats: (line, the earlier line of the same path, the path).
+    The paths are compared as written: a path must name its file plainly
+    (no empty, '.' or '..' part), so that one file has one spelling."""
     by_split: Dict[str, List[Tuple[bytes, int]]] = {split: [] for split in SPLITS}
+    first_lines: Dict[str, Dict[bytes, int]] = {split: {} for split in SPLITS}
+    repeats: Dict[str, List[Tuple[int, int, bytes]]] = {split: [] for split in SPLITS}
     try:
         with open(list_path, "rb") as handle:
             for number, line in enumerate(handle, 1):
@@ -375,15 +417,16 @@ def read_text_list(list_path: str, data: str) -> DatasetLists:
                 if not label.isdigit() or split.decode(errors="replace") not in SPLITS or b"/" not in relative:
                     raise UsageError(f"{flag}: line {number}: expected 'train/<class>/<file> LABEL' or "
                                      f"'val/<class>/<file> LABEL', got {line[:120]!r}")
+                if any(part in (b"", b".", b"..") for part in relative.split(b"/")):
+                    raise UsageError(f"{flag}: line {number}: {name[:120]!r} has an empty, '.' or '..' part; "
+                                     f"name each file plainly, as '{split.decode()}/<class>/<file>'")
+                first = first_lines[split.decode()].setdefault(relative, number)
+                if first != number:
+                    repeats[split.decode()].append((number, first, relative))
                 by_split[split.decode()].append((relative, int(label)))
     except OSError as error:
         raise UsageError(f"{flag}: cannot read it ({error.strerror})") from None
-    classes = _classes_of(by_split, flag)
-    _check_present(by_split, data, flag)
-    lists = [FileList(((os.fsdecode(os.fsencode(str(Path(data) / split)) + b"/" + relative), label)
-                       for relative, label in by_split[split]), prefix=str(Path(data) / split) + os.sep)
-             for split in SPLITS]
-    return DatasetLists(classes, *lists)
+    return by_split, repeats
 
 
 def _classes_of(by_split: Dict[str, List[Tuple[bytes, int]]], flag: str) -> List[str]:
@@ -479,7 +522,7 @@ def _read_or_scan(data: str, file_list: Optional[str]) -> DatasetLists:
             source = f"from the cache {cache} (no folder changed since its scan)"
         else:
             lists = scan_dataset(Path(data))
-            source = "scanned; not cached (no home folder: set XDG_CACHE_HOME)"
+            source = "scanned; not cached (no home folder: set XDG_CACHE_HOME to an absolute path)"
             try:
                 if cache is not None:
                     save_cache(cache, lists)

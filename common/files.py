@@ -1,6 +1,7 @@
 """File mechanics, the bottom floor every other module may stand on: writes
-that are whole or absent, CSV files that grow by rows, byte counts for
-people, and whether a path is on a file system that every node shares.
+that are whole or absent, CSV files that grow by rows (and reading back
+only their whole rows), byte counts for people, whether a path is on a file
+system that every node shares, and the user's cache folder.
 
 Atomic writes: the content goes to a temporary file beside its name
 (.<name>.tmp-<pid>), is flushed to disk, then renamed over the name, and the
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Callable, List, Optional, TextIO
+from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO
 
 MIB = 2 ** 20
 # How CSV files are opened, both ways: a file name that is not valid UTF-8 (bad_images.csv lists unreadable
@@ -132,20 +134,92 @@ def append_rows(path: Path, columns: List[str], rows: List[dict]) -> None:
     older version's metrics.csv, being resumed) is first rewritten with these,
     its rows kept, so every row matches the header. An append that fails (a
     full disk) raises and is undone: the file is cut back to its size before
-    (a new one removed), never left with half a row, nor shorter."""
+    (a new one removed), never left with half a row, nor shorter. A last row
+    that a killed process left unfinished (no line break) is cut off first
+    (_cut_unfinished_row); rewritten, only whole rows are kept."""
     new_file = not path.is_file()
     if not new_file:
         with open(path, **CSV_TEXT) as handle:  # the header only, unless it differs (io.csv grows long)
-            header = next(csv.reader(handle), None)
-            old_rows = list(csv.DictReader(handle, fieldnames=header)) if header != columns else None
-        if old_rows is not None:
-            rewrite_rows(path, columns, old_rows)
+            header_line = handle.readline()
+        if next(csv.reader([header_line]), None) != columns or not header_line.endswith("\n"):
+            rewrite_rows(path, columns, read_whole_rows(path).rows)
+        else:
+            _cut_unfinished_row(path)
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=columns)
     if new_file:
         writer.writeheader()
     writer.writerows(rows)
     append_whole(path, text.getvalue().encode(CSV_TEXT["encoding"], CSV_TEXT["errors"]), remove_if_new=new_file)
+
+
+def _cut_unfinished_row(path: Path, chunk_bytes: int = 65536) -> None:
+    """Cut a file back to the end of its last whole line. Appended to, a
+    row a process was killed writing would take the next row into its line
+    (too many fields: both lost to readers), or, cut inside its last value,
+    end as a whole-looking row holding half a number. It was never written
+    whole; a resume sets metrics.csv's aside first (RunDirectory.set_aside_after).
+    The file's first line ends with a line break (append_rows checked)."""
+    with open(path, "rb+") as handle:
+        end = position = handle.seek(0, os.SEEK_END)
+        while position > 0:
+            start = max(0, position - chunk_bytes)
+            handle.seek(start)
+            chunk = handle.read(position - start)
+            line_end = chunk.rfind(b"\n")
+            if line_end >= 0:
+                if start + line_end + 1 < end:
+                    handle.truncate(start + line_end + 1)
+                return
+            position = start
+
+
+@dataclasses.dataclass
+class WholeRows:
+    """A CSV file's header, its whole rows (as dicts), and the line numbers
+    (the header is line 1) of the rows that were not read."""
+    path: Path
+    columns: List[str]
+    rows: List[dict]
+    cut_lines: List[int]
+
+    def warning(self) -> Optional[str]:
+        """One line naming the file and the rows not read; None when every row was whole."""
+        if not self.cut_lines:
+            return None
+        shown = ", ".join(map(str, self.cut_lines[:5])) + (", ..." if len(self.cut_lines) > 5 else "")
+        return (f"warning: {self.path}: {len(self.cut_lines)} row(s) not whole (cut short by a crash, or damaged), "
+                f"not read: line(s) {shown}; read the {len(self.rows)} whole row(s)")
+
+
+def read_whole_rows(path: Path, whole: Optional[Callable[[dict], bool]] = None) -> WholeRows:
+    """The rows of a CSV file that grows by rows (append_rows) that were
+    written whole. A process killed mid-append (kill -9, a node's crash)
+    leaves a last line without its line break, where a number may be cut
+    in half; a later append on it made one line of too many fields. Such
+    rows, any with another number of fields than the header, and any that
+    `whole(row)` refuses (a value that is not what its column holds) are
+    left out and their lines named (WholeRows.warning). A file that is not
+    CSV raises csv.Error; an empty one has no columns."""
+    with open(path, **CSV_TEXT) as handle:
+        text = handle.read()
+    reader = csv.reader(io.StringIO(text, newline=""))
+    records, line = [], 1
+    for fields in reader:
+        if fields:  # not a blank line
+            records.append((line, fields))
+        line = reader.line_num + 1
+    if records and not text.endswith("\n"):
+        records[-1] = (records[-1][0], None)  # the last line has no line break: written only in part
+    columns = records[0][1] if records and records[0][1] is not None else []
+    rows, cut_lines = [], [number for number, fields in records[:1] if fields is None]
+    for number, fields in records[1:]:
+        row = dict(zip(columns, fields)) if fields is not None and len(fields) == len(columns) else None
+        if row is not None and (whole is None or whole(row)):
+            rows.append(row)
+        else:
+            cut_lines.append(number)
+    return WholeRows(path, columns, rows, cut_lines)
 
 
 def append_whole(path: Path, data: bytes, remove_if_new: bool = True) -> None:
@@ -209,3 +283,23 @@ def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     except (OSError, IndexError):
         pass
     return fstype
+
+
+# --- the user's cache folder ---
+
+CACHE_FOLDER_NAME = "imagenet-reference"  # the architectures' names and the file lists' scans, each in a subfolder
+
+
+def user_cache_folder(environ: Mapping[str, str] = os.environ) -> Optional[Path]:
+    """This project's folder in the user's cache folder, by the XDG base
+    directory rules: $XDG_CACHE_HOME when it is an absolute path (a relative
+    one is ignored, as the specification says: it would put the cache inside
+    whatever folder a run starts in), else ~/.cache. None without either (no
+    home folder, as some containers run)."""
+    configured = environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(configured):
+        return Path(configured) / CACHE_FOLDER_NAME
+    try:
+        return Path.home() / ".cache" / CACHE_FOLDER_NAME
+    except (RuntimeError, KeyError):  # Path.home() of a user with no home folder
+        return None

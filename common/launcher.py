@@ -135,9 +135,50 @@ def discover(cfg: Config, environ: Mapping[str, str], gpus_visible: int, ray_con
         return _ray_launch(cfg, ray_context)
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return _torchrun_launch(cfg, environ)
+    _refuse_half_a_launch(environ)
     if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ and not per_node_flags:
         return _slurm_launch(cfg, environ, gpus_visible)
     return _spawn_launch(cfg, gpus_visible)
+
+
+# What torchrun and torch.distributed.launch set in every process they start, all together (the latter
+# LOCAL_RANK only with --use-env; otherwise --local-rank is a flag).
+TORCHRUN_LAUNCH = ("a launcher (torchrun, torch.distributed.launch) sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                   "and LOCAL_RANK together")
+
+
+def _refuse_half_a_launch(environ: Mapping[str, str]) -> None:
+    """RANK, WORLD_SIZE or LOCAL_RANK without the rest of a launcher's set
+    (left exported in a shell, or a launcher's script missing a line) would
+    have run one job of this node's own, as if none were set: the other
+    processes the variables speak of would never meet it. WORLD_SIZE=1
+    alone says one process, which is what runs. MASTER_ADDR and MASTER_PORT
+    alone are left alone: scripts export them for the per-node flags too."""
+    found = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+             if name in environ]
+    if not found or (found == ["WORLD_SIZE"] and environ["WORLD_SIZE"].strip() == "1"):
+        return
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
+    shown = ", ".join(f"{name}={environ[name]!r}" for name in found)
+    raise UsageError(f"environment: {shown} set but {' and '.join(missing)} not: {TORCHRUN_LAUNCH}; unset "
+                     f"{', '.join(found)} to start the processes here, or start the script with torchrun")
+
+
+class RankOutsideError(UsageError):
+    """A process's own rank variable outside its world: its peers may have
+    theirs right, so it reports this itself (errors.report)."""
+
+    rank_specific = True
+
+
+def _rank_within(environ: Mapping[str, str], name: str, count: int, count_name: str) -> int:
+    """The integer environment variable `name`, which must be a rank among
+    `count` (0 to count - 1), `count_name` saying where that count came from."""
+    value = _environment_int(environ, name)
+    if not 0 <= value < count:
+        raise RankOutsideError(f"environment variable {name}={value} is outside 0 to {count - 1}, the ranks of "
+                               f"the {count} process(es) {count_name} says")
+    return value
 
 
 def _ray_launch(cfg: Config, ray_context) -> Launch:
@@ -152,18 +193,31 @@ def _ray_launch(cfg: Config, ray_context) -> Launch:
 def _torchrun_launch(cfg: Config, environ: Mapping[str, str]) -> Launch:
     """torchrun, or torch.distributed.launch (which passes --local-rank as a flag)."""
     check_launcher_flags(cfg, "the launcher already set RANK, WORLD_SIZE and MASTER_ADDR")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in environ]
+    if "LOCAL_RANK" not in environ and cfg.local_rank is None:
+        missing.append("LOCAL_RANK (or --local-rank)")
+    if missing:  # env:// would fail later, with a traceback naming the first one only
+        raise UsageError(f"environment: RANK and WORLD_SIZE set but {', '.join(missing)} not: {TORCHRUN_LAUNCH}")
     world_size = _environment_int(environ, "WORLD_SIZE")
-    local_rank = _environment_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else cfg.local_rank
-    if local_rank is None:
-        raise UsageError("environment: RANK and WORLD_SIZE are set but neither LOCAL_RANK nor --local-rank")
+    if world_size < 1:
+        raise UsageError(f"environment variable WORLD_SIZE={world_size} is not a number of processes")
+    rank = _rank_within(environ, "RANK", world_size, "WORLD_SIZE")
     procs_per_node = (_environment_int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
                       else world_size)
+    where = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in environ else "WORLD_SIZE"
+    if "LOCAL_RANK" in environ:
+        local_rank = _rank_within(environ, "LOCAL_RANK", procs_per_node, where)
+    elif not 0 <= cfg.local_rank < procs_per_node:
+        raise RankOutsideError(f"argument --local-rank: {cfg.local_rank} is outside 0 to {procs_per_node - 1}, the "
+                               f"ranks of the {procs_per_node} process(es) {where} says")
+    else:
+        local_rank = cfg.local_rank
     launcher = "torch.distributed.launch" if cfg.local_rank is not None else "torchrun"
     agent_store = "TORCHELASTIC_RESTART_COUNT" in environ and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return Launch(launcher=launcher, init_method="env://", world_size=world_size,
                   nodes=max(1, world_size // procs_per_node),
                   node_rank=_environment_int(environ, "GROUP_RANK") if "GROUP_RANK" in environ else 0,
-                  procs_per_node=procs_per_node, rank=_environment_int(environ, "RANK"), local_rank=local_rank,
+                  procs_per_node=procs_per_node, rank=rank, local_rank=local_rank,
                   restart_attempt=_environment_int(environ, "TORCHELASTIC_RESTART_COUNT") if agent_store else None,
                   agent_store=((environ["MASTER_ADDR"], _environment_int(environ, "MASTER_PORT"))
                                if agent_store else None))
@@ -178,15 +232,19 @@ def _slurm_launch(cfg: Config, environ: Mapping[str, str], gpus_visible: int) ->
         # One task per node (srun --ntasks-per-node=1): each task spawns the workers of its node.
         return Launch(launcher="slurm", init_method=init_method,
                       world_size=nodes * (cfg.nproc_per_node or gpus_visible), nodes=nodes,
-                      node_rank=_environment_int(environ, "SLURM_PROCID"),  # one task per node: its rank
+                      node_rank=_rank_within(environ, "SLURM_PROCID", tasks, "SLURM_STEP_NUM_TASKS"),  # one per node
                       procs_per_node=cfg.nproc_per_node or gpus_visible)
     if cfg.nproc_per_node not in (None, tasks // nodes):
         raise UsageError(f"argument --nproc-per-node: srun already started {tasks // nodes} processes per "
                          f"node (one per task); drop the flag or start one task per node")
+    if "SLURM_LOCALID" not in environ:
+        raise UsageError("environment: srun set SLURM_PROCID and SLURM_STEP_NUM_TASKS but not SLURM_LOCALID "
+                         "(this task's rank on its node), which srun sets with them")
     return Launch(launcher="slurm", init_method=init_method, world_size=tasks, nodes=nodes,
                   node_rank=_environment_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0,
-                  procs_per_node=max(1, tasks // nodes), rank=_environment_int(environ, "SLURM_PROCID"),
-                  local_rank=_environment_int(environ, "SLURM_LOCALID"))
+                  procs_per_node=max(1, tasks // nodes),
+                  rank=_rank_within(environ, "SLURM_PROCID", tasks, "SLURM_STEP_NUM_TASKS"),
+                  local_rank=_rank_within(environ, "SLURM_LOCALID", tasks, "SLURM_STEP_NUM_TASKS"))
 
 
 def _slurm_init_method(cfg: Config, environ: Mapping[str, str]) -> str:

@@ -22,7 +22,6 @@ into it); the primary process alone writes.
 from __future__ import annotations
 
 import contextlib
-import csv
 import datetime
 import errno
 import fcntl
@@ -39,7 +38,8 @@ from typing import BinaryIO, Callable, List, Mapping, Optional, Tuple
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary
 from common.errors import UsageError, error_summary
-from common.files import CSV_TEXT, MIB, TEMPORARY_NAME, atomic_write, format_bytes, link_atomically, rewrite_rows
+from common.files import (MIB, TEMPORARY_NAME, atomic_write, format_bytes, link_atomically, read_whole_rows,
+                          rewrite_rows)
 from common.launcher import ray_train_context, restart_name
 
 CHECKPOINT_NAME = "checkpoint.pth.tar"  # the newest state (names as in pytorch/examples)
@@ -434,18 +434,18 @@ class RunDirectory:
         and the newer checkpoints are kept in before-resume-<time>/ first
         (the newer checkpoint files are moved there, so that rotation, which
         keeps the newest, cannot prefer them to this run's), then metrics.csv
-        keeps the earlier rows. Returns what was done, to be said; None when
+        keeps the earlier rows. Rows a crash cut short (files.read_whole_rows)
+        are set aside too: an epoch number cut from 12 to 1 would otherwise
+        be kept as epoch 1. Returns what was done, to be said; None when
         nothing comes after the position."""
         path = self.path / "metrics.csv"
-        rows, columns = [], []
-        if path.is_file():
-            with open(path, **CSV_TEXT) as handle:
-                reader = csv.DictReader(handle)
-                rows, columns = list(reader), list(reader.fieldnames or [])
+        read = read_whole_rows(path, lambda row: (row.get("epoch") or "").isdigit()) if path.is_file() else None
+        rows, columns = (read.rows, read.columns) if read is not None else ([], [])
+        cut = f", {len(read.cut_lines)} not whole (cut short by a crash)" if read is not None and read.cut_lines else ""
         kept = [row for row in rows if int(row["epoch"]) < start_epoch]
         later_checkpoints = [checkpoint for checkpoint in kept_checkpoints(self.path)
                              if position_of(checkpoint) > (start_epoch, images_done)]
-        if len(kept) == len(rows) and not later_checkpoints:
+        if len(kept) == len(rows) and not later_checkpoints and not cut:
             return None
         stamp = f"before-resume-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         backup, attempt = self.path / stamp, 1
@@ -461,7 +461,7 @@ class RunDirectory:
             newest.unlink()  # a later state (kept in the backup): the next save makes it anew
         for checkpoint in later_checkpoints:
             os.replace(checkpoint, backup / checkpoint.name)
-        if len(kept) != len(rows):
+        if len(kept) != len(rows) or cut:
             rewrite_rows(path, columns, kept)  # the preserved copy keeps the later rows
-        return (f"before {len(rows) - len(kept)} later metrics rows and {len(later_checkpoints)} later checkpoints "
-                f"of {self.path.name}: they are kept in {backup}")
+        return (f"before {len(rows) - len(kept)} later metrics rows{cut} and {len(later_checkpoints)} later "
+                f"checkpoints of {self.path.name}: they are kept in {backup}")

@@ -34,6 +34,7 @@ import matplotlib.ticker  # noqa: E402
 
 from common.arguments import Parser  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
+from common.files import read_whole_rows  # noqa: E402
 
 # metrics.csv columns in order; older run directories lack those after skipped_steps (read as NaN).
 METRIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "seconds", "images_per_second",
@@ -198,12 +199,37 @@ def _read_config(path: Path) -> Optional[dict]:
     return json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else None
 
 
+def _number_or_empty(value: Optional[str]) -> bool:
+    try:
+        float(value or "nan")
+        return True
+    except ValueError:
+        return False
+
+
+def read_rows(path: Path, numeric: Sequence[str], whole=lambda row: True) -> pd.DataFrame:
+    """A CSV file a run grows by rows (metrics.csv, io.csv): its whole rows
+    (files.read_whole_rows: also those with a number in each `numeric`
+    column, or nothing, and that `whole` accepts), `numeric` columns as
+    numbers (empty: NaN); the rows not read named in one warning on stderr."""
+    read = read_whole_rows(path, lambda row: all(_number_or_empty(row.get(column)) for column in numeric)
+                           and whole(row))
+    if read.warning():
+        print(read.warning(), file=sys.stderr, flush=True)
+    frame = pd.DataFrame(read.rows, columns=read.columns)
+    for column in set(numeric) & set(frame.columns):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    return frame
+
+
 def read_run_dir(path: Path) -> Optional[Run]:
     """A run directory of this project; None when it has no metrics.csv yet."""
     if not (path / "metrics.csv").is_file():
         return None
     config = _read_config(path)
-    rows = pd.read_csv(path / "metrics.csv").reindex(columns=METRIC_COLUMNS)
+    rows = read_rows(path / "metrics.csv", METRIC_COLUMNS[2:], lambda row: row.get("split") in ("train", "val")
+                     and (row.get("epoch") or "").isdigit()).reindex(columns=METRIC_COLUMNS)
+    rows["epoch"] = rows["epoch"].astype(int)
     rows = rows.drop_duplicates(["epoch", "split"], keep="last")  # an edited, repeated epoch: the last row
     train = rows[rows["split"] == "train"].set_index("epoch")
     val = rows[rows["split"] == "val"].set_index("epoch")
@@ -274,11 +300,8 @@ def read_io_csv(path: Path, label: str) -> Optional[IOTrace]:
     interval, averaged per node and device, and summed over them. An empty
     value is a missing counter: it stays NaN (min_count=1), never 0. None
     when the sampler has not written a row yet."""
-    try:
-        rows = pd.read_csv(path)
-    except pd.errors.EmptyDataError:  # created, nothing written yet
-        return None
-    if rows.empty:
+    rows = read_rows(path, ["wall_time", *IO_COLUMNS], lambda row: bool(row.get("wall_time")))
+    if rows.empty:  # created, nothing written yet
         return None
     rows[["host", "device"]] = rows.reindex(columns=["host", "device"]).astype("string").fillna("")
     values = rows.reindex(columns=IO_COLUMNS).apply(pd.to_numeric, errors="coerce")

@@ -312,3 +312,17 @@ def test_a_checkpoint_that_failed_to_write_is_not_taken_for_saved(tmp_path, monk
 class _NoScaler:
     def state_dict(self):
         return {}
+
+
+def test_a_resume_sets_aside_a_metrics_row_a_crash_cut_short(tmp_path):
+    """Killed mid-append of epoch 12's row, a metrics.csv can end in '1': read as it stands, epoch 1.
+    The resume keeps the whole rows, and the original file in before-resume-*/."""
+    metrics = tmp_path / "metrics.csv"
+    whole = b"epoch,split,top1\r\n10,train,50.0\r\n10,val,51.0\r\n11,train,52.0\r\n11,val,53.0\r\n"
+    metrics.write_bytes(whole + b"1")
+    said = rundir.RunDirectory(tmp_path, resuming=True).set_aside_after(12, 0, None)
+    (backup,) = tmp_path.glob("before-resume-*")
+    assert said == (f"before 0 later metrics rows, 1 not whole (cut short by a crash) and 0 later checkpoints of "
+                    f"{tmp_path.name}: they are kept in {backup}")
+    assert metrics.read_bytes() == whole and (backup / "metrics.csv").read_bytes() == whole + b"1"
+    assert rundir.RunDirectory(tmp_path, resuming=True).set_aside_after(12, 0, None) is None  # nothing more to do

@@ -2,6 +2,7 @@
 demo and fake-ImageNet generators, and the unreadable-image policy."""
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -489,3 +490,69 @@ def test_a_wrong_file_list_is_one_line_naming_it(tmp_path, lines, message):
     listed.write_text("\n".join(lines) + "\n")
     with pytest.raises(UsageError, match=rf"^argument --file-list: {listed}: {message}"):
         _found(root, "--file-list", str(listed))
+
+
+def test_a_file_list_refuses_a_repeated_val_line_and_says_repeated_train_lines_once(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=2)
+    listed = tmp_path / "list.txt"
+    train = ["train/class_0/000.JPEG 0", "train/class_0/001.JPEG 0", "train/class_1/000.JPEG 1"]
+    val = ["val/class_0/000.JPEG 0", "val/class_1/001.JPEG 1"]
+    # Oversampling on purpose: two lines repeat line 1, one repeats line 3; each is trained on as listed.
+    listed.write_text("\n".join(train + train[:1] + val + train[:1] + train[2:]) + "\n")
+    lists = _found(root, "--file-list", str(listed))
+    assert (len(lists.train), len(lists.val)) == (6, 2)
+    assert [path[len(str(root)) + 1:] for path, _ in lists.train].count("train/class_0/000.JPEG") == 3
+    assert lists.notes[:-1] == [f"note: --file-list {listed}: 3 training line(s) repeat an earlier line (the first: "
+                                f"line 4, train/class_0/000.JPEG, as line 1): those images are trained on as often "
+                                f"as they are listed"]
+    assert _source(lists) == f"from --file-list {listed}"
+    listed.write_text("\n".join(train + val + val + val[:1]) + "\n")  # a validation set of 2 images listed 5 times
+    with pytest.raises(UsageError, match=rf"^argument --file-list: {listed}: line 6: val/class_0/000.JPEG is listed "
+                                         rf"again \(first on line 4; 3 repeated val/ line\(s\) in all\): validation "
+                                         rf"counts each image once; remove the repeats$"):
+        _found(root, "--file-list", str(listed))
+
+
+@pytest.mark.parametrize("path", ["val/class_0/./000.JPEG", "val/class_0//000.JPEG", "val/class_1/../class_0/000.JPEG",
+                                  "train/class_0/sub/../000.JPEG"])
+def test_a_file_list_path_must_name_its_file_plainly_so_a_repeat_cannot_hide(tmp_path, path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    (root / "train" / "class_0" / "sub").mkdir()
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"train/class_0/000.JPEG 0\ntrain/class_1/000.JPEG 1\nval/class_0/000.JPEG 0\n{path} 0\n")
+    with pytest.raises(UsageError, match=rf"^argument --file-list: {listed}: line 4: b'{re.escape(path)}' has an "
+                                         rf"empty, '\.' or '\.\.' part; name each file plainly, as "
+                                         rf"'{path.split('/')[0]}/<class>/<file>'$"):
+        _found(root, "--file-list", str(listed))
+
+
+def test_the_cache_sees_a_move_whose_folder_times_were_put_back(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    assert _source(_found(root)).startswith("scanned, cached in")
+    source, destination = root / "train" / "class_1", root / "train" / "class_0"
+    times = {folder: folder.stat() for folder in (source, destination)}
+    # Changes made now get a later change time than the scan read: wait (without sleeping) for the file
+    # system's clock, which may tick in milliseconds, to pass the newest one.
+    probe = tmp_path / "probe"
+    probe.touch()
+    while probe.stat().st_ctime_ns <= max(status.st_ctime_ns for status in times.values()):
+        os.utime(probe)
+    (source / "001.JPEG").rename(destination / "moved.JPEG")
+    for folder, status in times.items():  # as `touch -r` or a restore tool puts the times back
+        os.utime(folder, ns=(status.st_atime_ns, status.st_mtime_ns))
+        assert folder.stat().st_mtime_ns == status.st_mtime_ns
+    lists = _found(root)
+    assert _source(lists).startswith("scanned, cached in"), lists.notes
+    assert [(Path(path).name, label) for path, label in lists.train] == [
+        ("000.JPEG", 0), ("001.JPEG", 0), ("moved.JPEG", 0), ("000.JPEG", 1)]
+
+
+def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_rules_say(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative-cache")
+    lists = _found(root)
+    cache = tmp_path / "home" / ".cache" / "imagenet-reference" / "file-lists"
+    assert _source(lists) == f"scanned, cached in {next(cache.glob('data-*.npz'))}"
+    assert not (tmp_path / "relative-cache").exists()

@@ -1,11 +1,12 @@
 """Rank and world discovery (common.launcher.discover) for every launcher,
 from faked environments: pure functions, no processes."""
 import dataclasses
+import re
 
 import pytest
 
 from common import cli
-from common.errors import UsageError
+from common.errors import USAGE_EXIT_STATUS, UsageError, exit_status
 from common.launcher import discover, first_slurm_host, gpu_of_its_own, launched_identity, slurm_port
 
 
@@ -249,3 +250,65 @@ def test_the_ray_head_is_the_flag_then_ray_address_then_a_new_cluster():
     assert ray_head_address("h:6379", {"RAY_ADDRESS": "other:1"}) == "h:6379"
     assert ray_head_address(None, {"RAY_ADDRESS": "other:1"}) == "other:1"
     assert ray_head_address(None, {"RAY_ADDRESS": ""}) is None and ray_head_address(None, {}) is None
+
+
+TORCHRUN_TWO_NODES = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+                      "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+TORCHRUN_LAUNCH = (r"a launcher \(torchrun, torch.distributed.launch\) sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                   r"and LOCAL_RANK together")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "3"}, rf"environment: RANK='3' set but WORLD_SIZE not: {TORCHRUN_LAUNCH}; unset RANK to start the "
+                    rf"processes here, or start the script with torchrun$"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+     rf"environment: LOCAL_RANK='1', LOCAL_WORLD_SIZE='2' set but RANK and WORLD_SIZE not: {TORCHRUN_LAUNCH}; "
+     rf"unset LOCAL_RANK, LOCAL_WORLD_SIZE "),
+    # Inside a Slurm allocation too: a plain python there spawns, so a stray LOCAL_RANK is as much a mistake.
+    ({"LOCAL_RANK": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"},
+     r"environment: LOCAL_RANK='0' set but RANK and WORLD_SIZE not: "),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+     rf"environment: RANK and WORLD_SIZE set but MASTER_ADDR, MASTER_PORT not: {TORCHRUN_LAUNCH}$"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"},
+     r"environment: RANK and WORLD_SIZE set but LOCAL_RANK \(or --local-rank\) not: "),
+    (dict(TORCHRUN_TWO_NODES, RANK="8"),
+     r"environment variable RANK=8 is outside 0 to 7, the ranks of the 8 process\(es\) WORLD_SIZE says$"),
+    (dict(TORCHRUN_TWO_NODES, LOCAL_RANK="4"),
+     r"environment variable LOCAL_RANK=4 is outside 0 to 3, the ranks of the 4 process\(es\) LOCAL_WORLD_SIZE says$"),
+    (dict(TORCHRUN_TWO_NODES, LOCAL_RANK="-1"), r"environment variable LOCAL_RANK=-1 is outside 0 to 3"),
+    (dict(TORCHRUN_TWO_NODES, WORLD_SIZE="0", RANK="0"),
+     r"environment variable WORLD_SIZE=0 is not a number of processes$"),
+    (dict(SLURM_TWO_NODES_FOUR_TASKS_EACH, SLURM_PROCID="8"),
+     r"environment variable SLURM_PROCID=8 is outside 0 to 7, the ranks of the 8 process\(es\) SLURM_STEP_NUM_TASKS "),
+    ({name: value for name, value in SLURM_TWO_NODES_FOUR_TASKS_EACH.items() if name != "SLURM_LOCALID"},
+     r"environment: srun set SLURM_PROCID and SLURM_STEP_NUM_TASKS but not SLURM_LOCALID \(this task's rank on its "
+     r"node\), which srun sets with them$"),
+])
+def test_half_set_or_incoherent_launcher_variables_are_one_line_naming_them(env, message):
+    with pytest.raises(UsageError, match="^" + message):
+        discover(ddp_config(), env, gpus_visible=4)
+
+
+def test_torch_distributed_launchs_local_rank_flag_must_be_one_of_its_processes():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "8888"}
+    with pytest.raises(UsageError, match=r"^argument --local-rank: 4 is outside 0 to 3, the ranks of the 4 "
+                                         r"process\(es\) WORLD_SIZE says$"):
+        discover(ddp_config("--local-rank=4"), env, gpus_visible=4)
+
+
+def test_world_size_alone_is_refused_unless_it_says_the_one_process_that_runs():
+    launch = discover(ddp_config(), {"WORLD_SIZE": "1"}, gpus_visible=0)
+    assert launch.spawns and (launch.launcher, launch.world_size) == ("spawn", 1)
+    with pytest.raises(UsageError, match=rf"^environment: WORLD_SIZE='4' set but RANK not: {TORCHRUN_LAUNCH}; "
+                                         rf"unset WORLD_SIZE to start the processes here, or start the script with "
+                                         rf"torchrun$"):
+        discover(ddp_config(), {"WORLD_SIZE": "4"}, gpus_visible=0)
+
+
+def test_a_rank_outside_its_world_is_said_by_the_process_that_has_it(capsys):
+    env = dict(TORCHRUN_TWO_NODES, LOCAL_RANK="4")  # not local rank 0: such a process leaves same errors to it
+    with pytest.raises(UsageError) as caught:
+        discover(ddp_config(), env, gpus_visible=4)
+    assert exit_status(caught.value, *launched_identity(env)) == USAGE_EXIT_STATUS
+    assert re.fullmatch(r".*: error: rank 5: environment variable LOCAL_RANK=4 is outside 0 to 3, the ranks of the 4 "
+                        r"process\(es\) LOCAL_WORLD_SIZE says\n", capsys.readouterr().err)

@@ -218,3 +218,49 @@ def test_runs_in_progress_and_data_parallel_runs(tmp_path):
     table = plots.summarize(logs.runs)
     assert table["series"].tolist() == ["NVIDIA H100: resnet18 optO0"] * 2
     assert table["scaling_efficiency_percent"].tolist() == [100.0, 90.0]  # 50 and 45 images/s per GPU
+
+
+def cut_last_line_in_a_number(path, column: str) -> str:
+    """Cut `path`'s last line in the middle of its `column` value, as a process killed mid-append leaves
+    it (no line break at the end); returns the cut line."""
+    lines = path.read_text().splitlines(keepends=True)
+    header = lines[0].rstrip().split(",")
+    fields = lines[-1].rstrip().split(",")
+    value = fields[header.index(column)]
+    cut = ",".join(fields[:header.index(column)] + [value[:len(value) // 2]])
+    path.write_text("".join(lines[:-1]) + cut)
+    return cut
+
+
+def test_a_run_whose_last_rows_a_crash_cut_is_read_to_its_whole_rows_and_the_rest_named(tmp_path, capsys):
+    rows = epoch_rows(0, START, 40, 30.0) + epoch_rows(1, START + 120, 50, 55.0) + epoch_rows(2, START + 240, 60, 60.0)
+    io_rows = [(START + t, "a", "sda", 1e6, "", "", "") for t in (0, 10, 20)]
+    run_dir = write_run(tmp_path, "Nov23_10-00-00_node-a_resnet18_cpux2_b4_cpu1_optO0", 2, rows, io_rows=io_rows)
+    # Epoch 2's val row cut inside its wall time: read, it would end epoch 2 at a time 8 digits short.
+    assert cut_last_line_in_a_number(run_dir / "metrics.csv", "wall_time").startswith("2,val,1.5,60.0,")
+    cut_last_line_in_a_number(run_dir / "io.csv", "read_bytes_per_second")
+    logs = plots.load([tmp_path])
+    (run,) = logs.runs
+    assert list(run.epochs.index) == [0, 1] and list(run.epochs["val_top1"]) == [30.0, 55.0]
+    assert plots.training_seconds(run) == pytest.approx(240.0)
+    assert list(logs.io[0].frame["read_bytes_per_second"]) == [1e6, 1e6]
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {run_dir / 'metrics.csv'}: 1 row(s) not whole (cut short by a crash, or damaged), not read: "
+        f"line(s) 7; read the 5 whole row(s)",
+        f"warning: {run_dir / 'io.csv'}: 1 row(s) not whole (cut short by a crash, or damaged), not read: "
+        f"line(s) 4; read the 2 whole row(s)"]
+
+
+def test_rows_with_too_many_or_too_few_fields_or_no_number_are_named_and_the_rest_read(tmp_path, capsys):
+    rows = epoch_rows(0, START, 40, 30.0) + epoch_rows(1, START + 120, 50, 55.0) + epoch_rows(2, START + 240, 60, 60.0)
+    run_dir = write_run(tmp_path, "Nov23_10-00-00_node-a_resnet18_cpux2_b4_cpu1_optO0", 2, rows)
+    lines = (run_dir / "metrics.csv").read_text().splitlines(keepends=True)
+    not_a_number = lines[3].replace(",90.0,", ",9x.0,")  # epoch 1's train row
+    glued = lines[4].rstrip("\r\n")[:20] + lines[5]  # epoch 1's val row cut, epoch 2's train row appended to it
+    short = "2,train,1.9\r\n"  # too few fields
+    (run_dir / "metrics.csv").write_text("".join(lines[:3] + [not_a_number, glued, short, lines[6]]))
+    (run,) = plots.load([tmp_path]).runs
+    assert list(run.epochs.index) == [0, 2] and list(run.epochs["val_top1"]) == [30.0, 60.0]
+    assert run.epochs.loc[0, "train_top1"] == 25.0 and math.isnan(run.epochs.loc[2, "train_top1"])
+    assert capsys.readouterr().err == (f"warning: {run_dir / 'metrics.csv'}: 3 row(s) not whole (cut short by a crash, "
+                                       f"or damaged), not read: line(s) 4, 5, 6; read the 3 whole row(s)\n")

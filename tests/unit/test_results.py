@@ -197,3 +197,15 @@ def test_the_scaling_models_csvs_become_tables_with_the_measured_figures_beside(
     assert "| 200mbit | 187 | none | 173.9 | 2,077.0 | 2,058.0 | +0.9% | 15%: True |" in section
     with pytest.raises(results.UsageError, match="argument --scaling: cannot read"):
         results.main([str(runs), "--scaling", str(tmp_path / "missing.csv")])
+
+
+def test_a_run_whose_last_row_a_crash_cut_gives_the_numbers_of_its_whole_rows(runs, tmp_path, capsys):
+    two = next(runs.glob("*cpux2*"))
+    metrics = two / "metrics.csv"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:-1]) + lines[-1][:len(lines[-1]) // 2])  # epoch 2's val row, cut mid-line
+    text = results.main([str(runs), "--figures", str(tmp_path)])
+    assert "- **Training time:** 4 min 0 s (240.0 s) over 2 epoch(s)" in text  # epoch 2 was never validated
+    assert "- **Last val top-1 / top-5:** 55.00% / 95.00% (epoch 1)" in text
+    assert capsys.readouterr().err == (f"warning: {metrics}: 1 row(s) not whole (cut short by a crash, or damaged), "
+                                       f"not read: line(s) {len(lines)}; read the {len(lines) - 2} whole row(s)\n")

@@ -321,6 +321,17 @@ def test_rows_appended_to_an_older_metrics_file_get_its_header_rewritten(tmp_pat
                     {"epoch": "1", "split": "val", "loss": "1.5", "macro_f1": "40.0"}]
 
 
+@pytest.mark.parametrize("cut", ["1,val,1.", "1,val", "1"])  # in a number, after a field, in the first field
+def test_a_row_appended_after_one_a_killed_process_left_unfinished_is_whole(tmp_path, cut):
+    """kill -9 mid-append leaves a last line without its line break: the next append must not run into it."""
+    path = tmp_path / "io.csv"
+    path.write_bytes(b"epoch,split,loss\r\n0,train,2.5\r\n" + cut.encode())
+    files.append_rows(path, ["epoch", "split", "loss"], [{"epoch": 2, "split": "train", "loss": 1.25}])
+    assert path.read_bytes() == b"epoch,split,loss\r\n0,train,2.5\r\n2,train,1.25\r\n"
+    read = files.read_whole_rows(path)
+    assert (len(read.rows), read.cut_lines) == (2, [])
+
+
 def test_the_closing_lines_name_only_the_files_the_run_wrote(tmp_path, capsys):
     """A run stopped before its first epoch ended has no metrics, report or checkpoint: its closing
     lines must not send the user looking for them; once they exist, they are named."""
