@@ -37,6 +37,7 @@ from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.dataset_lists import FileList, find_lists
+from common.launcher import oversubscription
 from common.process_signals import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
 from common.device_input import EncodedBatch
@@ -238,6 +239,16 @@ class SyntheticImages(Dataset):
         return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0, -1, "")
 
 
+class _Loader(DataLoader):
+    """A DataLoader that leaves the count of its workers against the cores
+    to the run: torch warns in two lines per loader, process and epoch when
+    one loader's workers outnumber them; the primary says it once for the
+    node instead, counting every process's (launcher.oversubscription)."""
+
+    def check_worker_number_rationality(self) -> None:
+        pass
+
+
 class ShardSampler(Sampler):
     """Indices rank, rank + world_size, ...: each index on exactly one process,
     none padded or repeated, so validation counts every image exactly once
@@ -422,7 +433,7 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     worker_init_fn = data_loader_worker_init if cfg.workers else None
     # ... and leave stop signals from other processes to it, whatever threads libraries start in them.
     worker_context = data_loader_context() if cfg.workers else None
-    train = DataLoader(
+    train = _Loader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
         pin_memory=pin_memory, worker_init_fn=worker_init_fn, multiprocessing_context=worker_context,
         collate_fn=collate,
@@ -430,10 +441,12 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )
-    val = DataLoader(
+    val = _Loader(
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
         multiprocessing_context=worker_context, collate_fn=collate,
     )
+    # Said once by the primary, for the whole node (session.run), instead of torch's lines (_Loader).
+    notes = [*notes, *filter(None, [oversubscription(ctx.procs_per_node, cfg.workers)])]
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
                    notes=notes, jpeg_decoder=decoder, dali=dali)

@@ -30,8 +30,8 @@ TABLE_ROW = re.compile(r"^\| `common/([\w/]+?)(\.py|/)` \|", re.MULTILINE)
 CLI_IMPORTERS = {"common.tools.bench.measurements", "common.ray_cluster"}
 # The command line and what it imports: no torch (seconds and hundreds of MiB), so that --help and a mistake's
 # one line come at once. They import only each other at module level (a function may import more, when it runs).
-TORCH_FREE = {"common.errors", "common.config", "common.arguments", "common.ports", "common.architectures",
-              "common.launcher", "common.process_signals", "common.cli"}
+TORCH_FREE = {"common.errors", "common.files", "common.config", "common.arguments", "common.ports",
+              "common.architectures", "common.launcher", "common.process_signals", "common.cli"}
 
 
 def module_name(path: Path) -> str:
