@@ -344,20 +344,21 @@ def process_tree(root: int):
     return found
 
 
-def start_long_job():
-    """A spawned 2-process run with one data-loading worker each, once it trains, and its processes."""
+def start_long_job(said: str = "train epoch 0 [", processes: int = 4):
+    """A spawned 2-process run with one data-loading worker each, once it has `said` its line and has
+    `processes` processes below it, and those. By default once it trains: 2 workers, each with a
+    data-loading process (+ multiprocessing's tracker); the first step needed both workers' batches, so
+    they are all there by then. Waited for, not slept for, however slow the machine."""
     job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
                  "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1", "--nproc-per-node", "2", "--epochs", "1",
                  "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
     for line in job.stdout:
-        if line.startswith("train epoch 0 ["):
+        if line.startswith(said):
             break
-    # 2 workers, each with a data-loading process (+ multiprocessing's tracker). The first step needed both
-    # workers' batches, so they are all there by now; waited for, not slept for, however slow the machine.
     deadline = time.monotonic() + 60
-    while len(tree := process_tree(job.pid)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(tree) >= 4, tree
+    while len(tree := process_tree(job.pid)) < processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(tree) >= processes, tree
     return job, tree
 
 
@@ -395,16 +396,8 @@ def test_sigint_to_the_launcher_ends_every_process():
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
 def test_sigterm_while_the_workers_start_stops_the_job_as_interrupted_not_as_failed():
-    job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
-                 "--val-resize", "32", "-b", "4", "-j", "0", "--nproc-per-node", "2", "--epochs", "1",
-                 "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
-    for line in job.stdout:
-        if line.startswith("starting 2 worker processes"):
-            break
-    # Both spawned: each now imports torch (seconds, in a fresh interpreter), some way from training.
-    deadline = time.monotonic() + 60
-    while len(tree := process_tree(job.pid)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # Both workers spawned: each now imports torch (seconds, in a fresh interpreter), some way from training.
+    job, tree = start_long_job(said="starting 2 worker processes", processes=2)
     job.send_signal(signal.SIGTERM)
     left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
     output = job.stdout.read()
