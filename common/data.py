@@ -33,6 +33,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
+from common.arguments import check_fits_in_memory, memory_bytes
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
@@ -227,6 +228,9 @@ class SyntheticImages(Dataset):
     def __init__(self, length: int, image_size: int, num_classes: int, seed: int):
         self.length = length
         self.num_classes = num_classes
+        pool = min(self.POOL_SIZE, length)  # more images than a batch: sized here, not by the command line's check
+        check_fits_in_memory("--image-size", pool * 3 * image_size ** 2,
+                             f"--synthetic's {pool} distinct {image_size}x{image_size} images", memory_bytes())
         generator = torch.Generator().manual_seed(seed)
         # Interleaved pixels (channels-last), as decoded images are: see pipelines.stack_images.
         self.pool = torch.randint(0, 256, (min(self.POOL_SIZE, length), image_size, image_size, 3),

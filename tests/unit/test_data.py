@@ -212,6 +212,15 @@ def test_synthetic_loaders_need_no_disk():
     assert images.shape == (8, 3, 16, 16) and target.tolist() == list(range(8))
 
 
+def test_synthetic_images_no_machine_holds_are_one_line_before_they_are_drawn():
+    with memory_capped():  # the job's memory, as common.arguments.memory_bytes sees it: 2 GiB more than now
+        # One 10,000-pixel image (1.2 GB as float32 input) fits; the 64 distinct ones synthetic data draws do not.
+        cfg = parse("nd", ["--synthetic", "-b", "1", "--image-size", "10000", "--val-resize", "10000", "-j", "0"])
+        with pytest.raises(UsageError, match=r"^argument --image-size: --synthetic's 64 distinct 10000x10000 images "
+                                             r"would take 19.2 GB, more than the "):
+            build_loaders(cfg, CPU)
+
+
 def test_synthetic_data_says_that_data_is_not_read(tmp_path):
     args = ["-b", "8", "--image-size", "16", "--val-resize", "16", "-j", "0"]
     ignored = build_loaders(parse("nd", ["--synthetic", str(tmp_path / "imagenet"), *args]), CPU)
