@@ -1,14 +1,19 @@
 """argparse pieces shared by the entry scripts' parser (common.cli) and the
 tools (common.tools): value types whose messages argparse prefixes with the
 flag's name, and a parser whose mistakes are UsageErrors (one line, exit
-status 2). Bottom layer: imports nothing of common/ but errors.
+status 2), and this machine's cores and memory, which bound the counts and
+sizes a flag may ask for. Bottom layer: imports nothing of common/ but
+errors and files.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 from typing import Callable, Optional
 
 from common.errors import UsageError
+from common.files import format_bytes
 
 
 class Parser(argparse.ArgumentParser):
@@ -69,3 +74,68 @@ def percent(text: str) -> float:
     """--desired-acc: 0.75 and 75 both mean 75% (values <= 1 are fractions)."""
     value = float_in(0.0, 100.0, True, False, "an accuracy in (0, 1] or (1, 100]")(text)
     return value * 100.0 if value <= 1.0 else value
+
+
+# --- what this machine can hold: the bounds of counts and sizes a flag asks for ---
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (what taskset, a
+    Slurm allocation or a container's cpuset gives it), not every core of
+    the machine that os.cpu_count() counts."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def memory_bytes() -> int:
+    """The memory this process's job may use: the machine's physical memory,
+    or less where a cgroup (a Slurm job, a container) or an address-space
+    limit (ulimit -v) caps it."""
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    try:
+        with open("/proc/self/cgroup") as handle:  # cgroup v2: "0::/the/group"
+            group = next((line.strip()[3:] for line in handle if line.startswith("0::")), None)
+        if group is not None:
+            with open(f"/sys/fs/cgroup{group}/memory.max") as handle:
+                text = handle.read().strip()
+            if text.isdigit():  # "max": no limit
+                limits.append(int(text))
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    return min(limits)
+
+
+# What one data-loading process holds at the least: its own pages (9 MiB each measured for ResNet-18 on the
+# CPU, just started; they grow as it touches the trainer's memory) and DataLoader's prefetched batches.
+DATA_WORKER_OWN_BYTES = 8 * 2**20
+PREFETCHED_BATCHES = 2  # DataLoader's prefetch_factor
+
+
+def check_batch_fits(batch_size: int, image_size: int, memory: int, batch_flag: str = "-b/--batch-size") -> None:
+    """One image, and one process's batch of them, as the float32 input a
+    model takes, within `memory`: a UsageError naming --image-size or
+    `batch_flag` otherwise."""
+    side, image_bytes = image_size, 3 * image_size ** 2 * 4
+    check_fits_in_memory("--image-size", image_bytes, f"one {side}x{side} image as float32 input", memory)
+    check_fits_in_memory(batch_flag, batch_size * image_bytes, f"a batch of {batch_size} {side}x{side} images as "
+                         f"float32 input (-b {batch_size} at --image-size {side})", memory)
+
+
+def data_workers_bytes(workers: int, batch_size: int, image_size: int) -> int:
+    """The least memory `workers` data-loading processes take, each with its
+    own pages and its prefetched batches of uint8 crops."""
+    return workers * (DATA_WORKER_OWN_BYTES + PREFETCHED_BATCHES * batch_size * 3 * image_size ** 2)
+
+
+def check_fits_in_memory(flag: str, needed_bytes: int, what: str, memory: int) -> None:
+    """A UsageError naming `flag` when `what` (`needed_bytes` of it) could
+    never fit in `memory` bytes (memory_bytes()): one line before anything
+    is allocated, instead of the kernel's out-of-memory killer. Plain integer
+    arithmetic, so as fast for a value of 10**15 as for 10."""
+    if needed_bytes > memory:
+        raise UsageError(f"argument {flag}: {what} would take {format_bytes(needed_bytes)}, more than the "
+                         f"{format_bytes(memory)} of memory this machine gives the job")

@@ -135,15 +135,35 @@ def _sentence(text: str, limit: int = 160) -> str:
     return sentence if len(sentence) <= limit else sentence[:limit].rsplit(" ", 1)[0] + " ..."
 
 
+# Bytes no text holds (a NUL, the other C0 controls but tab, line breaks, form feed and escape).
+_BINARY_BYTES = bytes(set(range(32)) - {9, 10, 12, 13, 27})
+
+
 def _foreign_kind(head: bytes) -> str:
     if head.startswith(b"\x80"):
         return "a plain pickle, not the zip archive torch.save writes"
+    if any(byte in _BINARY_BYTES for byte in head):
+        return "not the zip archive torch.save writes"
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as error:
         if error.start < len(head) - 3:  # not just a character cut by the end of what was read
             return "not the zip archive torch.save writes"
     return "text, not the zip archive torch.save writes"
+
+
+def _zero_bytes(handle, head: bytes) -> Optional[int]:
+    """The file's size when every byte of it is zero (what a crash or a full
+    disk can leave of a file whose space was reserved but never written);
+    None at its first other byte. Read in 1 MiB pieces: memory bounded,
+    time that of reading the file once."""
+    size = len(head)
+    while head:
+        if head.count(0) != len(head):
+            return None
+        head = handle.read(1 << 20)
+        size += len(head)
+    return size
 
 
 def _container_problem(path: str) -> Optional[str]:
@@ -161,6 +181,10 @@ def _container_problem(path: str) -> Optional[str]:
         if head.startswith(_LEGACY_HEAD):
             return None
         if not head.startswith(_ZIP_HEAD):
+            zeros = _zero_bytes(handle, head)
+            if zeros is not None:
+                return (f"{_NOT_PYTORCH} (a file of {zeros:,} zero bytes: space reserved but never written, as a "
+                        f"crash or a full disk leaves it)")
             return f"{_NOT_PYTORCH} ({_foreign_kind(head)})"
         handle.seek(0)
         try:

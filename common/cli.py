@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Tuple, Union
@@ -23,8 +24,9 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 from common import launcher, process_signals
 from common.architectures import available_architectures
 from common.config import DATA_BACKENDS, DDP_COMM_HOOKS, MODES, PREEMPT_SIGNALS, Config
-from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
-                              positive_int, seed_int, unit_interval)
+from common.arguments import (Parser, check_batch_fits, check_fits_in_memory, float_in, memory_bytes,
+                              non_negative_float, non_negative_int, percent, positive_float, positive_int, seed_int,
+                              unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, UsageError, error_summary, program, run_main
 
 _DESCRIPTIONS = {
@@ -100,11 +102,15 @@ def _add_model_flags(group, mode: str) -> None:
 
 def _add_data_flags(group) -> None:
     group.add_argument("-j", "--workers", type=non_negative_int, default=4, metavar="N",
-                       help="data-loading worker processes per training process")
+                       help="data-loading worker processes per training process; more on a node than its cores is "
+                            "a warning (they take turns), more than its memory holds (each with its own pages and "
+                            "two prefetched batches) an error")
     group.add_argument("--image-size", type=positive_int, default=224, metavar="PIXELS",
-                       help="side of the square training crop and of the validation centre crop")
+                       help="side of the square training crop and of the validation centre crop (a batch of them as "
+                            "float32 input must fit in this machine's memory)")
     group.add_argument("--val-resize", type=positive_int, default=256, metavar="PIXELS",
-                       help="validation images are resized so their short side is this, then centre-cropped")
+                       help="validation images are resized so their short side is this, then centre-cropped (one "
+                            "such image must fit in this machine's memory)")
     group.add_argument("--crop-scale", type=float_in(0.0, 1.0, True, False, "a fraction in (0, 1]"), nargs=2,
                        default=[0.08, 1.0], metavar=("MIN", "MAX"),
                        help="range of the image-area fraction the random training crop covers (the ImageNet "
@@ -227,12 +233,29 @@ def _add_measurement_flags(group) -> None:
                        help="profile N training steps with torch.profiler, after the first epoch's warm-up steps, "
                             "on the primary process: a Chrome trace and a summary (ms per step, the GPU's idle "
                             "share, operators and kernels by time) in the run directory's profile-*/ folder")
-    group.add_argument("--io-interval", type=non_negative_float, default=60.0, metavar="SECONDS",
-                       help="sample the dataset's block device (read/write bytes and operations per second) "
-                            "every SECONDS into io.csv, on one process per node; 0: off")
+    group.add_argument("--io-interval", type=_io_interval, default=60.0, metavar="SECONDS",
+                       help=f"sample the dataset's block device (read/write bytes and operations per second) "
+                            f"every SECONDS (at least {MIN_IO_INTERVAL_SECONDS:g}) into io.csv, on one process per "
+                            f"node; 0: off")
     group.add_argument("--report-dir", default=None, metavar="DIR",
                        help="with --evaluate: write the per-class report (val_report.csv, "
                             "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
+
+
+# Sampled faster, io.csv's rows (kept until the epoch ends) would grow by megabytes a second: a value such as
+# 1e-9 would take the machine's memory within an epoch.
+MIN_IO_INTERVAL_SECONDS = 0.1
+# A year; timedelta stops at 10**9 days, and torch's collectives count milliseconds in 64 bits.
+MAX_DIST_TIMEOUT_SECONDS = 365 * 24 * 3600
+MAX_BUCKET_CAP_MIB = 2 ** 20  # 1 TiB: DDP takes the bucket's bytes as a 64-bit integer (1e300 was a traceback)
+
+
+def _io_interval(text: str) -> float:
+    value = non_negative_float(text)
+    if 0 < value < MIN_IO_INTERVAL_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least {MIN_IO_INTERVAL_SECONDS:g} seconds, "
+                                         f"got {text}")
+    return value
 
 
 def _checkpoint_interval(text: str) -> Tuple[int, float]:
@@ -304,7 +327,7 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                        "variables say all this and these flags stay unset.")
     group.add_argument("--dist-url", default=None, metavar="URL",
                        help="tcp://HOST:PORT of node 0, where the processes meet (default: a free local port, "
-                            "for one node)")
+                            "for one node); no user name or password: one is refused, and never printed")
     group.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
                        help="process-group backend (default: nccl with GPUs, gloo on the CPU)")
     group.add_argument("--world-size", type=positive_int, default=None, metavar="NODES",
@@ -314,15 +337,18 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                        help="this node's rank, 0 to NODES-1; node 0 hosts the rendezvous at --dist-url")
     group.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
                        help="processes on this node (default: one per visible GPU; 1 on the CPU, where each "
-                            "process is a CPU replica with the gloo backend)")
+                            "process is a CPU replica with the gloo backend, at most one per core the job may use)")
     group.add_argument("--local-rank", "--local_rank", dest="local_rank", type=non_negative_int, default=None,
                        metavar="N", help="set by torch.distributed.launch; not for direct use")
     group.add_argument("--sync-bn", action="store_true",
                        help="BatchNorm statistics over the global batch instead of each GPU's share "
                             "(SyncBatchNorm; GPUs only)")
-    group.add_argument("--dist-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+    group.add_argument("--dist-timeout", default=300.0, metavar="SECONDS",
+                       type=float_in(0.0, MAX_DIST_TIMEOUT_SECONDS, True, False,
+                                     f"a positive number of seconds, at most a year ({MAX_DIST_TIMEOUT_SECONDS})"),
                        help="how long a process waits for its peers: at start-up (a node that never comes "
-                            "up ends the job with an error after this) and at any collective operation")
+                            "up ends the job with an error after this) and at any collective operation; at most a "
+                            "year")
     group.add_argument("--ddp-comm-hook", choices=DDP_COMM_HOOKS, default="none",
                        help="what DDP sends each step: fp32 gradients (none), gradients cast to fp16 or bf16 "
                             "(half the bytes), or PowerSGD's low-rank factors with error feedback (far fewer); "
@@ -332,10 +358,12 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: 1)")
     group.add_argument("--powersgd-start-step", type=positive_int, default=None, metavar="N",
                        help="optimizer steps with plain all-reduces before PowerSGD compresses (default: 1000)")
-    group.add_argument("--bucket-cap-mb", type=positive_float, default=None, metavar="MiB",
+    group.add_argument("--bucket-cap-mb", default=None, metavar="MiB",
+                       type=float_in(0.0, MAX_BUCKET_CAP_MIB, True, False,
+                                     f"a positive size in MiB, at most {MAX_BUCKET_CAP_MIB} (1 TiB)"),
                        help="DDP's gradient bucket size, in MiB as DDP counts it: larger buckets, fewer all-reduces "
                             "with less overlap (default: DDP's, 25 with a first bucket of 1; a size given caps every "
-                            "bucket)")
+                            "bucket; one above the model's gradients makes one bucket)")
     group.add_argument("--static-graph", action="store_true",
                        help="tell DDP the same parameters get gradients every step (lets it skip per-step checks)")
     group.add_argument("--multiprocessing-distributed", action="store_true",
@@ -362,6 +390,7 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_architecture(ns.arch)
     _check_distributed_flags(ns)
     _check_training_flags(ns)
+    _check_machine_fits(ns)
     _check_output_paths(ns)
     if not ns.synthetic:
         _check_dataset(ns)
@@ -387,6 +416,8 @@ def _check_distributed_flags(ns: argparse.Namespace) -> None:
     if getattr(ns, "dist_url", None) is not None and not ns.dist_url.startswith("tcp://"):
         raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT of node 0, got {ns.dist_url!r} "
                          f"(under torchrun, launch or srun leave it unset)")
+    if getattr(ns, "dist_url", None) is not None:
+        launcher.tcp_address(ns.dist_url)  # its form, now: before anything quotes or records it
     hook = getattr(ns, "ddp_comm_hook", "none")
     for flag, value in (("--powersgd-rank", getattr(ns, "powersgd_rank", None)),
                         ("--powersgd-start-step", getattr(ns, "powersgd_start_step", None))):
@@ -416,12 +447,39 @@ def _check_training_flags(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
 
 
+def _check_machine_fits(ns: argparse.Namespace) -> None:
+    """Sizes and counts this machine could never hold, told before anything
+    is allocated or started (a value of 10**15 included): one image and one
+    process's batch as the float32 input the model takes, a validation
+    image resized to --val-resize, the node's processes (launcher)."""
+    memory = memory_bytes()
+    check_batch_fits(ns.batch_size, ns.image_size, memory)
+    check_fits_in_memory("--val-resize", 3 * ns.val_resize ** 2,
+                         f"one validation image resized to {ns.val_resize}x{ns.val_resize} pixels", memory)
+    # The flags' process count; the launcher checks the real one (GPUs, torchrun's) again before starting.
+    launcher.check_node_processes(getattr(ns, "nproc_per_node", None) or 1, ns.workers, ns.batch_size,
+                                  ns.image_size, share_cores=ns.device == "cpu", memory=memory)
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _check_output_paths(ns: argparse.Namespace) -> None:
     """--run-name, --resume and --report-dir: names and files a run reads or must not overwrite."""
+    for flag, value in (("DATA", ns.data), ("--logdir", ns.logdir), ("--resume", ns.resume),
+                        ("--file-list", ns.file_list), ("--report-dir", ns.report_dir)):
+        # Taken for a path, s3://KEY:SECRET@bucket would become local folders named after the secret.
+        if value is not None and _URL.match(value):
+            where = flag if flag == "DATA" else f"argument {flag}"
+            raise UsageError(f"{where}: {value!r} is a URL; give a path on a local or mounted file system")
     if ns.run_name is not None and (not ns.run_name or os.sep in ns.run_name or ns.run_name in (".", "..")):
         raise UsageError(f"argument --run-name: {ns.run_name!r} must be a plain folder name")
     if ns.resume is not None and ns.resume != "auto":
         resume = Path(ns.resume)
+        if _is(resume, Path.is_dir, "--resume"):
+            raise UsageError(f"argument --resume: {resume} is a directory, not a checkpoint file; give a file in it "
+                             f"(its newest: {resume / 'checkpoint.pth.tar'}), or --resume auto --logdir "
+                             f"{resume.parent} --run-name {resume.name} to continue the run there")
         if not _is(resume, Path.is_file, "--resume"):
             raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
         if not os.access(resume, os.R_OK):
@@ -442,11 +500,15 @@ def _check_dataset(ns: argparse.Namespace) -> None:
         raise UsageError("DATA: missing; give the dataset folder (holding train/ and val/), or use --synthetic")
     root = Path(ns.data)
     if not _is(root, Path.is_dir, "DATA"):
-        raise UsageError(f"DATA {root}: no such directory")
+        what = "not a directory" if _is(root, Path.exists, "DATA") else "no such directory"
+        raise UsageError(f"DATA {root}: {what} (the dataset folder, holding train/ and val/)")
     for split in ("train", "val"):
         if not _is(root / split, Path.is_dir, "DATA"):
             raise UsageError(f"DATA {root}: no {split}/ folder (expected {root / split}/<class>/<images>)")
     if ns.file_list is not None and not _is(Path(ns.file_list), Path.is_file, "--file-list"):
+        if _is(Path(ns.file_list), Path.is_dir, "--file-list"):
+            raise UsageError(f"argument --file-list: {ns.file_list} is a directory; give the list file "
+                             f"(python -m common.tools.filelist DATA PATH writes one)")
         raise UsageError(f"argument --file-list: no such file: {ns.file_list}")
 
 

@@ -33,10 +33,12 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
+from common.arguments import check_fits_in_memory, memory_bytes
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.dataset_lists import FileList, find_lists
+from common.launcher import oversubscription
 from common.process_signals import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
 from common.device_input import EncodedBatch
@@ -226,6 +228,9 @@ class SyntheticImages(Dataset):
     def __init__(self, length: int, image_size: int, num_classes: int, seed: int):
         self.length = length
         self.num_classes = num_classes
+        pool = min(self.POOL_SIZE, length)  # more images than a batch: sized here, not by the command line's check
+        check_fits_in_memory("--image-size", pool * 3 * image_size ** 2,
+                             f"--synthetic's {pool} distinct {image_size}x{image_size} images", memory_bytes())
         generator = torch.Generator().manual_seed(seed)
         # Interleaved pixels (channels-last), as decoded images are: see pipelines.stack_images.
         self.pool = torch.randint(0, 256, (min(self.POOL_SIZE, length), image_size, image_size, 3),
@@ -236,6 +241,16 @@ class SyntheticImages(Dataset):
 
     def __getitem__(self, index: int) -> Sample:
         return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0, -1, "")
+
+
+class _Loader(DataLoader):
+    """A DataLoader that leaves the count of its workers against the cores
+    to the run: torch warns in two lines per loader, process and epoch when
+    one loader's workers outnumber them; the primary says it once for the
+    node instead, counting every process's (launcher.oversubscription)."""
+
+    def check_worker_number_rationality(self) -> None:
+        pass
 
 
 class ShardSampler(Sampler):
@@ -422,7 +437,7 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     worker_init_fn = data_loader_worker_init if cfg.workers else None
     # ... and leave stop signals from other processes to it, whatever threads libraries start in them.
     worker_context = data_loader_context() if cfg.workers else None
-    train = DataLoader(
+    train = _Loader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
         pin_memory=pin_memory, worker_init_fn=worker_init_fn, multiprocessing_context=worker_context,
         collate_fn=collate,
@@ -430,10 +445,12 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
     )
-    val = DataLoader(
+    val = _Loader(
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
         multiprocessing_context=worker_context, collate_fn=collate,
     )
+    # Said once by the primary, for the whole node (session.run), instead of torch's lines (_Loader).
+    notes = [*notes, *filter(None, [oversubscription(ctx.procs_per_node, cfg.workers)])]
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
                    notes=notes, jpeg_decoder=decoder, dali=dali)

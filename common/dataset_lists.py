@@ -353,6 +353,8 @@ def load_cache(path: Path) -> Optional[DatasetLists]:
 
 # --- --file-list's text format ---
 
+MAX_LABEL_DIGITS = 18  # a class number below 10**18: within int64, as FileList keeps them
+
 def write_text_list(handle: BinaryIO, lists: DatasetLists) -> int:
     """--file-list's format: one "split/relative/path label" line per image
     (relative to DATA; train's lines, then val's), in the lists' order, as
@@ -417,6 +419,9 @@ def _read_lines(list_path: str, flag: str) -> Tuple[Dict[str, List[Tuple[bytes, 
                 if not label.isdigit() or split.decode(errors="replace") not in SPLITS or b"/" not in relative:
                     raise UsageError(f"{flag}: line {number}: expected 'train/<class>/<file> LABEL' or "
                                      f"'val/<class>/<file> LABEL', got {line[:120]!r}")
+                if len(label) > MAX_LABEL_DIGITS:  # int() refuses 4,300 digits and more; no class count is near
+                    raise UsageError(f"{flag}: line {number}: label {label[:24].decode()}... has {len(label):,} "
+                                     f"digits; labels are class numbers, 0 to K-1")
                 if any(part in (b"", b".", b"..") for part in relative.split(b"/")):
                     raise UsageError(f"{flag}: line {number}: {name[:120]!r} has an empty, '.' or '..' part; "
                                      f"name each file plainly, as '{split.decode()}/<class>/<file>'")
@@ -437,9 +442,8 @@ def _classes_of(by_split: Dict[str, List[Tuple[bytes, int]]], flag: str) -> List
     if not by_split["train"] or not by_split["val"]:
         empty = "train" if not by_split["train"] else "val"
         raise UsageError(f"{flag}: no {empty}/ lines")
-    if sorted(names) != list(range(len(names))):
-        raise UsageError(f"{flag}: train's labels must be 0 to K-1, each used; missing "
-                         f"{min(set(range(max(names) + 1)) - set(names))}")
+    if max(names) != len(names) - 1:  # K distinct labels >= 0 are 0 to K-1 exactly when the largest is K-1
+        raise UsageError(f"{flag}: train's labels must be 0 to K-1, each used; missing {_smallest_missing(names)}")
     for label, folders in names.items():
         if len(folders) > 1:
             raise UsageError(f"{flag}: label {label} names {len(folders)} class folders under train/ "
@@ -452,6 +456,14 @@ def _classes_of(by_split: Dict[str, List[Tuple[bytes, int]]], flag: str) -> List
             raise UsageError(f"{flag}: val/{os.fsdecode(relative)} has label {label}, but train/ gives "
                              f"{folder!r} {'label ' + str(index[folder]) if folder in index else 'no label'}")
     return classes
+
+
+def _smallest_missing(labels) -> int:
+    """The smallest label >= 0 not among `labels`: in time and memory of their
+    count, whatever their values (a label of 10**15 in a list of ten lines
+    costs ten lines' work, not a set of 10**15 numbers)."""
+    below = sorted(label for label in labels if label < len(labels))  # the answer is at most len(labels)
+    return next((index for index, label in enumerate(below) if label != index), len(below))
 
 
 def _check_present(by_split: Dict[str, List[Tuple[bytes, int]]], data: str, flag: str) -> None:

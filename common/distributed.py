@@ -32,6 +32,7 @@ class Context:
     backend: Optional[str] = None  # process-group backend (nccl / gloo); None without one
     replicas_per_process: int = 1  # model replicas one process drives: its GPUs under nn.DataParallel
     launcher: str = "single process"  # how the processes were started, for config.json
+    procs_per_node: int = 1  # training processes on this node: what shares its cores
     # A gloo group for the small host-side decisions (common.preemption): with NCCL they would
     # otherwise need a GPU tensor and a device sync. None: the default group.
     control_group: Optional[object] = dataclasses.field(default=None, compare=False, repr=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import time
 from typing import Callable, Optional
@@ -37,7 +38,21 @@ class UsageError(Exception):
     rank_specific = False
 
     def __init__(self, message: str = ""):
-        super().__init__(one_line(message))
+        super().__init__(one_line(without_credentials(message)))
+
+
+# The user part of a URL (scheme://USER[:PASSWORD]@, a token among them), or a bare USER:PASSWORD@ where a
+# word starts (a Ray address, a value argparse quotes): never printed, logged or saved.
+# Up to the last @ of the word: a password may hold / or @ too.
+_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^\s'\"]*@"
+                          r"|(?P<start>^|[\s'\"=(,])[^\s/@:'\"=(,]+:(?!/)[^\s'\"]*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with every credential of a URL in it shown as ***:
+    'tcp://alice:s3cret@node0:29500' -> 'tcp://***@node0:29500'. For every
+    line that quotes what a user gave (a flag's value, the command line)."""
+    return _CREDENTIALS.sub(lambda match: (match.group("scheme") or match.group("start")) + "***@", text)
 
 
 # Control characters and line separators, as Python writes them in a string literal.

@@ -1,7 +1,8 @@
 """File mechanics, the bottom floor every other module may stand on: writes
 that are whole or absent, CSV files that grow by rows (and reading back
-only their whole rows), byte counts for people, whether a path is on a file
-system that every node shares, and the user's cache folder.
+only their whole rows), byte counts for people, the room left where a path
+is, whether a path is on a file system that every node shares, and the
+user's cache folder.
 
 Atomic writes: the content goes to a temporary file beside its name
 (.<name>.tmp-<pid>), is flushed to disk, then renamed over the name, and the
@@ -23,7 +24,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO
+from typing import BinaryIO, Callable, List, Mapping, Optional, TextIO, Tuple
 
 MIB = 2 ** 20
 # How CSV files are opened, both ways: a file name that is not valid UTF-8 (bad_images.csv lists unreadable
@@ -255,6 +256,17 @@ def format_bytes(count: Optional[int]) -> str:
         if count < 1000 or unit == "TB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1000
+
+
+def room_at(path: Path) -> Tuple[int, int]:
+    """(free bytes, free inodes) for an unprivileged writer on the file
+    system that holds `path`, or would hold it once the folders on the way
+    to it are made."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    stats = os.statvfs(where)
+    return stats.f_bavail * stats.f_frsize, stats.f_favail
 
 
 # File systems that every node of a cluster sees alike (a dataset on one is listed once per job, by rank 0;

@@ -22,6 +22,7 @@ import socket
 import sys
 from typing import Mapping, Optional, Tuple
 
+from common.arguments import check_fits_in_memory, data_workers_bytes, memory_bytes, usable_cores
 from common.config import Config
 from common.errors import UsageError
 from common.ports import free_port
@@ -74,7 +75,11 @@ def slurm_port(job_id: int) -> int:
 
 
 def tcp_address(url: str) -> tuple:
-    """(host, port) of a --dist-url tcp://HOST:PORT; a UsageError for any other form."""
+    """(host, port) of a --dist-url tcp://HOST:PORT; a UsageError for any other
+    form, one with a user name or password in it too (quoted without it)."""
+    if "@" in url:
+        raise UsageError(f"argument --dist-url: {url!r} holds credentials (a user name or password before @), "
+                         f"which the rendezvous never takes; give tcp://HOST:PORT of node 0")
     match = re.fullmatch(r"tcp://(\[[^\]]+\]|[^:/\[\]]+):(\d+)", url)
     if not match or not 0 < int(match.group(2)) < 65536:
         raise UsageError(f"argument --dist-url: expected tcp://HOST:PORT (the address of node 0), got {url!r}")
@@ -281,9 +286,47 @@ def _spawn_launch(cfg: Config, gpus_visible: int) -> Launch:
                   node_rank=node_rank, procs_per_node=procs_per_node)
 
 
+def check_node_processes(procs_per_node: int, workers: int, batch_size: int, image_size: int, share_cores: bool,
+                         cores: Optional[int] = None, memory: Optional[int] = None) -> None:
+    """Process counts this node cannot run, each a UsageError: more training
+    processes than cores, where they compute on the CPU and share the cores
+    this process may use (`share_cores`; `cores`, default usable_cores()):
+    each would get less than one, and the job would crawl for minutes before
+    its first step; or more data-loading processes than the node's memory
+    holds (`memory`, default memory_bytes()), each with its own pages and its
+    prefetched batches of uint8 crops. Arithmetic only."""
+    cores = usable_cores() if cores is None else cores
+    if share_cores and procs_per_node > cores:
+        raise UsageError(f"argument --nproc-per-node: {procs_per_node} training processes on the CPU, but this node "
+                         f"gives the job {cores} core(s); at most one process per core (under torchrun or srun, "
+                         f"start fewer)")
+    check_fits_in_memory("-j/--workers", data_workers_bytes(procs_per_node * workers, batch_size, image_size),
+                         f"-j {workers} data-loading processes x --nproc-per-node {procs_per_node} on this node, "
+                         f"with batches of -b {batch_size} at --image-size {image_size}",
+                         memory_bytes() if memory is None else memory)
+
+
+def oversubscription(procs_per_node: int, workers: int, cores: Optional[int] = None) -> Optional[str]:
+    """The one warning line for a node whose data-loading processes
+    outnumber the cores the job may use (legal, but they take turns: slower,
+    not faster); None when they do not."""
+    cores = usable_cores() if cores is None else cores
+    loaders = procs_per_node * workers
+    if loaders <= cores:
+        return None
+    processes = f" x {procs_per_node} training processes" if procs_per_node > 1 else ""
+    return (f"warning: -j {workers}{processes} = {loaders} data-loading processes on this node's {cores} core(s): "
+            f"oversubscribed, they take turns; -j {max(1, cores // procs_per_node)} or fewer runs as fast")
+
+
 def check_before_start(cfg: Config, launch: Launch, gpus_visible: int) -> None:
     """The mistakes that can be seen before any process waits for another."""
     uses_gpus = gpus_visible > 0 and cfg.device != "cpu"
+    # srun may bind each of its tasks to cores of their own, and Ray places its workers by the CPUs it was given
+    # (--cpus-per-worker): the cores this process sees are then its own, not its node's.
+    share_cores = not uses_gpus and (launch.spawns or launch.launcher in ("torchrun", "torch.distributed.launch"))
+    if launch.launcher != "ray":
+        check_node_processes(launch.procs_per_node, cfg.workers, cfg.batch_size, cfg.image_size, share_cores)
     if cfg.dist_backend == "nccl" and not uses_gpus:
         raise UsageError("argument --dist-backend: nccl needs CUDA GPUs and none is in use; use gloo")
     if cfg.sync_bn and not uses_gpus:
@@ -310,12 +353,13 @@ def gpu_of_its_own(launcher: str, gpus_visible: int, local_rank: int) -> bool:
 
 def cpu_threads_per_process(procs_per_node: int, environ: Mapping[str, str] = os.environ) -> Optional[int]:
     """The CPU threads each of a node's `procs_per_node` CPU processes should
-    use: its share of the node's cores, since they share them (each would
-    start one thread per core otherwise); None when OMP_NUM_THREADS already
-    says."""
+    use: its share of the cores the job may use (usable_cores: a Slurm
+    allocation's or a cpuset's, not the machine's), since they share them
+    (each would start one thread per core otherwise); None when
+    OMP_NUM_THREADS already says."""
     if "OMP_NUM_THREADS" in environ:
         return None
-    return max(1, (os.cpu_count() or 1) // procs_per_node)
+    return max(1, usable_cores() // procs_per_node)
 
 
 def launched_identity(environ: Mapping[str, str] = os.environ) -> Tuple[Optional[int], Optional[int]]:

@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from common import cli, launcher
 from common.arguments import positive_float
 from common.config import Config
-from common.errors import FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary
+from common.errors import (FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary,
+                           without_credentials)
 
 RAY_REQUIREMENTS = "requirements-ray.txt"
 REPO = Path(__file__).resolve().parent.parent
@@ -145,8 +146,8 @@ def check_restarts(run: ScriptRun, max_failures: int, count: WorkerCount) -> Non
     if run.cfg.resume == "auto":
         return
     if max_failures > 0:
-        raise UsageError(f"argument --max-failures: Ray restarts the training command after a failure, which "
-                         f"continues only with --resume auto in it; add --resume auto after `--`")
+        raise UsageError("argument --max-failures: Ray restarts the training command after a failure, which "
+                         "continues only with --resume auto in it; add --resume auto after `--`")
     if not isinstance(count, int):
         raise UsageError("argument --num-workers: an elastic run restarts the training command at each resize, "
                          "which continues only with --resume auto in it; add --resume auto after `--`")
@@ -210,7 +211,7 @@ class Cluster:
         have = self.resources()
         size = f"{have.get('CPU', 0):g} CPUs, {have.get('GPU', 0):g} GPUs"
         return f"a new Ray cluster on this machine ({size})" if self.started_here else \
-            f"the Ray cluster at {self.address} ({size})"
+            f"the Ray cluster at {without_credentials(self.address)} ({size})"
 
 
 def describe(count: WorkerCount) -> str:

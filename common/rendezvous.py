@@ -124,7 +124,7 @@ def join_process_group(cfg: Config, launch: Launch, rank: int, local_rank: int) 
         _join(cfg, launch, rank, backend, timeout)
     control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
     return Context(rank=rank, local_rank=local_rank, world_size=launch.world_size, device=device, backend=backend,
-                   launcher=launch.launcher, control_group=control_group,
+                   launcher=launch.launcher, procs_per_node=launch.procs_per_node, control_group=control_group,
                    launcher_report=_report_to_ray if launch.launcher == "ray" else None)
 
 

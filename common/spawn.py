@@ -24,7 +24,7 @@ from common.config import Config
 from common.distributed import Context
 from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
                            STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, error_summary,
-                           exit_status, program, skip_final_collection)
+                           exit_status, program, skip_final_collection, without_credentials)
 from common.launcher import Launch, check_before_start, discover, ray_train_context
 from common.process_signals import die_with_parent, ignore_stop_signals_until_training
 from common.rendezvous import join_process_group
@@ -78,8 +78,10 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     # takes too long).
     signal.signal(signal.SIGTERM, _interrupt)
     ignore_stop_signals_until_training()
-    lazy.import_now()  # what the script stands in for (common/lazy.py), before the process group's threads
     try:
+        # What the script stands in for (common/lazy.py), before the process group's threads: seconds, in
+        # which a stop signal is an interruption too (a quiet exit, not a traceback from inside an import).
+        lazy.import_now()
         _run_worker(train, cfg, launch, local_rank, spawned=True)
     except (UsageError, KeyboardInterrupt) as error:
         # Ctrl-C reaches every process of the terminal: the spawner says it, not each worker.
@@ -141,7 +143,7 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
     try:
         for worker in workers:
             worker.start()
-        _watch(workers)
+        _watch(workers, signals_received)
     except KeyboardInterrupt:
         _stop(workers)
         raise
@@ -150,10 +152,11 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
             signal.signal(signum, handler)
 
 
-def _watch(workers) -> None:
+def _watch(workers, signals_received=()) -> None:
     """Wait until every worker has exited with status 0 (or all stopped
     cleanly on a signal: then exit with STOPPED_EXIT_STATUS), or report the
-    first failure (which stops the others and exits)."""
+    first failure (which stops the others and exits). `signals_received`:
+    the stop signals passed on to the workers so far."""
     running = list(workers)
     stopped = False
     while running:
@@ -164,7 +167,7 @@ def _watch(workers) -> None:
         stopped = stopped or any(code == STOPPED_EXIT_STATUS for _, code in exit_codes)
         running = [worker for worker, code in exit_codes if code is None]
         if _failures(exit_codes):
-            _report_failure(workers, running)
+            _report_failure(workers, running, signals_received)
     if stopped:
         sys.exit(STOPPED_EXIT_STATUS)
 
@@ -181,7 +184,7 @@ def _first_cause(failed):
     return min(failed, key=lambda pair: (pair[1] >= 0, pair[1] == PEER_LOST_EXIT_STATUS))[0]
 
 
-def _report_failure(workers, running) -> None:
+def _report_failure(workers, running, signals_received=()) -> None:
     if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
         multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
     ended = [(worker, worker.exitcode) for worker in workers]
@@ -191,7 +194,9 @@ def _report_failure(workers, running) -> None:
     # A UsageError, a NaN loss, a checkpoint the run could not write: the worker has said it.
     if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS):
         sys.exit(code)
-    if code == INTERRUPTED_EXIT_STATUS:
+    # A worker still starting when a stop signal was passed on ends by it (or as on Ctrl-C, once its handler
+    # is in place): the job was stopped, as asked, before training could save anything; no worker failed.
+    if code == INTERRUPTED_EXIT_STATUS or -code in signals_received:
         raise KeyboardInterrupt
     how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with status {code}"
     if code == PEER_LOST_EXIT_STATUS:
@@ -215,5 +220,5 @@ def start(train: Callable[[Config, Context], None], cfg: Config) -> None:
         return
     if plan.node_rank == 0:
         print(f"starting {plan.procs_per_node} worker processes on this node ({plan.nodes} node(s), world size "
-              f"{plan.world_size}, rendezvous {plan.init_method})", flush=True)
+              f"{plan.world_size}, rendezvous {without_credentials(plan.init_method)})", flush=True)
     _spawn_and_watch(train, cfg, plan)

@@ -34,7 +34,7 @@ from common.checkpoint import ResumePoint
 from common.config import Config
 from common import hardware
 from common.distributed import Context
-from common.errors import UsageError, one_line, printable
+from common.errors import UsageError, one_line, printable, without_credentials
 from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text, format_bytes
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
@@ -414,7 +414,7 @@ class RunLog:
         self.run_dir = run_dir.path
         self.epochs = cfg.epochs
         record = {
-            "command": shlex.join([sys.executable] + sys.argv),
+            "command": without_credentials(shlex.join([sys.executable] + sys.argv)),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "start_epoch": start.start_epoch,
             "start_step": start.step,

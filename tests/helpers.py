@@ -3,12 +3,14 @@ reading what a run wrote. Fixtures and pytest's hooks are in conftest.py; a
 test module imports what it needs from here, never from another test module."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import importlib.util
 import io
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -368,6 +370,22 @@ def make_runs(root: Path) -> dict:
 
 
 # --- this machine ---
+
+@contextlib.contextmanager
+def memory_capped(extra_bytes: int = 2 << 30):
+    """This process's address space capped at what it maps now plus
+    `extra_bytes` for the `with` block: code that sizes memory by a value
+    (a label of 10**15) fails with MemoryError there, instead of taking the
+    machine's memory until the kernel kills someone. Restored after."""
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    previous = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra_bytes, previous[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, previous)
+
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs bf16 natively (AVX512, AMX) as common.hardware sees

@@ -31,11 +31,12 @@ from typing import Callable, Dict, Optional, Sequence
 import numpy as np
 from PIL import Image
 
-from common.arguments import Parser, non_negative_int, positive_int
+from common.arguments import Parser, check_fits_in_memory, memory_bytes, non_negative_int, positive_int
 from common.errors import UsageError, run_main
-from common.files import temporary_sibling
+from common.files import format_bytes, room_at, temporary_sibling
 
 DIGITS_CLASSES = [f"digit_{index}" for index in range(10)]
+FAKE_IMAGE_LEAST_BYTES = 90_000  # a fake ImageNet JPEG: 94 to 114 KB measured (quality 93, about 475x354)
 
 
 def _write_dataset(out: Path, parameters: dict, write: Callable[[Path], Dict[str, int]]) -> Dict[str, int]:
@@ -129,6 +130,7 @@ def write_fake_imagenet(out: Path, classes: int = 10, train_per_class: int = 100
                   "val_per_class": val_per_class, "seed": seed, "quality": quality}
 
     def write(root: Path) -> Dict[str, int]:
+        _check_room(root, classes * (train_per_class + val_per_class))
         chunks = []  # (split, folder, class name, count, seed)
         for class_index in range(classes):
             class_name = f"n{class_index:08d}"  # ImageNet's WordNet ids look like n01440764
@@ -152,6 +154,16 @@ def write_fake_imagenet(out: Path, classes: int = 10, train_per_class: int = 100
     return _write_dataset(Path(out), parameters, write)
 
 
+def _check_room(root: Path, images: int) -> None:
+    """Room on `root`'s file system for `images` fake ImageNet JPEGs, told
+    before the first is written (and before a list of them is made)."""
+    needed, free = images * FAKE_IMAGE_LEAST_BYTES, room_at(root)[0]
+    if needed > free:
+        raise UsageError(f"{root.parent}: {images:,} images of about 100 KB need {format_bytes(needed)} or more, "
+                         f"and {format_bytes(free)} is free there; ask for fewer (--classes, --train-per-class, "
+                         f"--val-per-class)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m common.tools.demo_data", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "digits":
+        check_fits_in_memory("--image-size", args.image_size ** 2, f"one {args.image_size}x{args.image_size} "
+                             f"digit image", memory_bytes())
         counts = write_digits(args.out, image_size=args.image_size, seed=args.seed)
     else:
         counts = write_fake_imagenet(args.out, args.classes, args.train_per_class, args.val_per_class, args.seed)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from common.arguments import Parser
-from common.errors import UsageError, error_summary, run_main
+from common.errors import UsageError, error_summary, run_main, without_credentials
 from common.tools import plots
 from common.tools.bench import flops, report, targets
 from common.tools.bench.report import as_number
@@ -110,7 +110,9 @@ def run_section(run: plots.Run) -> str:
     epochs = run.epochs
     last_epoch, last_top1, last_top5 = plots.last_validation(run)
     images_per_second = plots.mean_images_per_second(run)
-    command = f"`{portable_command(config['command'])}`" if config.get("command") else "not recorded (no config.json)"
+    # An older run's config.json may hold what the command line refuses now: a password in a URL.
+    command = (f"`{without_credentials(portable_command(config['command']))}`" if config.get("command")
+               else "not recorded (no config.json)")
     lines = [f"## `{run.name}`", "",
              f"- **Command:** {command}",
              f"- **Started:** {config.get('started', '—')} at epoch {config.get('start_epoch', '—')}"]

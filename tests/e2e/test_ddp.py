@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from common import device_input, engine, models, pipelines, spawn
+from common.arguments import usable_cores
 from common.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from common.rundir import CHECKPOINT_NAME
 from helpers import (ENV, MODEL, REPO, assert_one_line_error, finish, free_port, load_checkpoint, make_image_folder,
@@ -138,10 +139,14 @@ def test_validation_counts_every_image_once_under_1_2_and_3_processes(tmp_path):
     lines, reports = [], []
     for processes in (1, 2, 3):
         report_dir = tmp_path / f"report-{processes}"
-        result = run_script([REPO / "imagenet_ddp.py", data, *MODEL, "-b", "2", "-j", "0", "--nproc-per-node",
-                             processes, "-e", "--resume", checkpoint, "--report-dir", report_dir], env_extra=ENV)
-        assert result.returncode == 0, result.stderr
-        (line,) = [line for line in result.stdout.splitlines() if line.startswith("validation:")]
+        evaluate = [REPO / "imagenet_ddp.py", data, *MODEL, "-b", "2", "-j", "0", "-e", "--resume", checkpoint,
+                    "--report-dir", report_dir]
+        if processes <= usable_cores():
+            stdout = finish([start([sys.executable, *evaluate, "--nproc-per-node", processes])])[0]
+        else:  # more than the cores (one per process at most, on the CPU): as many one-process "nodes"
+            nodes = ["--dist-url", f"tcp://127.0.0.1:{free_port()}", "--world-size", processes, "--rank"]
+            stdout = finish([start([sys.executable, *evaluate, *nodes, rank]) for rank in range(processes)])[0]
+        (line,) = [line for line in stdout.splitlines() if line.startswith("validation:")]
         lines.append(line)
         reports.append(((report_dir / "val_report.csv").read_text(), np.load(report_dir / "confusion_matrix.npy")))
     counts = [re.search(r"top1 ([\d.]+)% \((\d+)/(\d+)\)", line).groups() for line in lines]
@@ -339,20 +344,21 @@ def process_tree(root: int):
     return found
 
 
-def start_long_job():
-    """A spawned 2-process run with one data-loading worker each, once it trains, and its processes."""
+def start_long_job(said: str = "train epoch 0 [", processes: int = 4):
+    """A spawned 2-process run with one data-loading worker each, once it has `said` its line and has
+    `processes` processes below it, and those. By default once it trains: 2 workers, each with a
+    data-loading process (+ multiprocessing's tracker); the first step needed both workers' batches, so
+    they are all there by then. Waited for, not slept for, however slow the machine."""
     job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", "-a", "squeezenet1_1", "--image-size", "32",
                  "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1", "--nproc-per-node", "2", "--epochs", "1",
                  "--logdir", Path(os.environ.get("TMPDIR", "/tmp")) / "imagenet-ddp-test-runs"])
     for line in job.stdout:
-        if line.startswith("train epoch 0 ["):
+        if line.startswith(said):
             break
-    # 2 workers, each with a data-loading process (+ multiprocessing's tracker). The first step needed both
-    # workers' batches, so they are all there by now; waited for, not slept for, however slow the machine.
     deadline = time.monotonic() + 60
-    while len(tree := process_tree(job.pid)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(tree) >= 4, tree
+    while len(tree := process_tree(job.pid)) < processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(tree) >= processes, tree
     return job, tree
 
 
@@ -385,6 +391,19 @@ def test_sigint_to_the_launcher_ends_every_process():
     output = job.stdout.read()
     assert left == [] and job.returncode == 130, output
     assert "interrupted" in output and "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_sigterm_while_the_workers_start_stops_the_job_as_interrupted_not_as_failed():
+    # Both workers spawned: each now imports torch (seconds, in a fresh interpreter), some way from training.
+    job, tree = start_long_job(said="starting 2 worker processes", processes=2)
+    job.send_signal(signal.SIGTERM)
+    left = wait_until_gone(job, tree, GONE_AFTER_A_STOP_SECONDS)
+    output = job.stdout.read()
+    # It was a traceback from inside an import, or "worker rank0 was killed by SIGTERM", and exit status 1.
+    assert left == [] and job.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output and "error" not in output, output
 
 
 @pytest.mark.slow

@@ -543,6 +543,16 @@ def test_an_empty_hostfile_is_a_mistake(tmp_path):
     assert result.stderr.splitlines() == [f"launch_nodes.py: error: argument --hostfile: {hostfile} lists no hosts"]
 
 
+def test_a_hostfile_of_a_million_names_is_checked_in_linear_time(tmp_path):
+    # Each name was compared with every name before it: hours for a million; a set takes about a second.
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"node{index}\n" for index in range(1_000_000)) + "node0\n")
+    result = launch_nodes("--hostfile", hostfile, "--", "x.py", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"launch_nodes.py: error: argument --hostfile: {hostfile}: node0 is listed "
+                                          f"twice (one command per node; --nproc-per-node sets the processes of each)"]
+
+
 # --- launch_nodes.py --run, through a stand-in for ssh that runs the command here ---
 
 FAKE_NODE_SCRIPT = '''

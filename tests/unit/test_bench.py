@@ -676,6 +676,37 @@ def test_comm_flags_mistakes_are_one_line(tmp_path):
     assert command_line.parse_size("64MiB") == 64 << 20 and command_line.parse_size("4KiB") == 4096 and command_line.parse_size("512") == 512
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["-b", str(10**15)], r"^argument -b/--batch-size: a batch of 1000000000000000 224x224 images as float32 input "),
+    (["--image-size", str(10**9)], r"^argument --image-size: one 1000000000x1000000000 image as float32 input "),
+    (["--workers", "1", str(10**9)], r"^argument --workers: 1000000000 data-loading processes would take "),
+    (["--sections", "comm", "--comm-sizes", "1048576GiB"],
+     r"^argument --comm-sizes: 2 processes' all-reduce of 1,125,899,906,842,624 bytes would take "),
+    # One process per core at most, as the training scripts' --nproc-per-node on the CPU.
+    (["--sections", "comm", "--comm-world-size", str(10**6)],
+     r"^argument --comm-world-size: 1000000 processes on the CPU, but this machine gives the job \d+ core\(s\); "
+     r"at most one process per core$"),
+])
+def test_sizes_and_counts_the_machine_could_never_hold_are_refused_before_measuring(flags, message):
+    args = command_line.build_parser().parse_args(["--device", "cpu", *flags])
+    with pytest.raises(UsageError, match=message):
+        command_line.settings_from(args)
+
+
+def test_a_data_scale_tree_the_disk_has_no_room_for_is_refused_before_its_first_link(tmp_path, monkeypatch):
+    from common.tools.bench import data_scale
+
+    def no_link(*args):
+        raise AssertionError("a link was made")  # the check must come first: the tree would fill the disk
+
+    monkeypatch.setattr(os, "link", no_link)
+    with pytest.raises(UsageError, match=r"^argument --data-scale: 1,000,000,000,000 x 1,000,000 training images "
+                                         r"need 1,000,001,000,000,000,000 links in 2,000,000,000,000 folders, more "
+                                         rf"than {tmp_path} has room for \("):
+        data_scale.hardlinked_tree(tmp_path, 10**12, 10**6)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_comm_and_scaling_sections_run_for_real_on_the_cpu(tmp_path):
     """Two processes on this machine (gloo): an all-reduce of 4 KiB and 64 KiB, then a tiny DDP step."""
     csv_path = tmp_path / "bench.csv"

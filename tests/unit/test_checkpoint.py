@@ -326,3 +326,20 @@ def test_a_resume_sets_aside_a_metrics_row_a_crash_cut_short(tmp_path):
                     f"{tmp_path.name}: they are kept in {backup}")
     assert metrics.read_bytes() == whole and (backup / "metrics.csv").read_bytes() == whole + b"1"
     assert rundir.RunDirectory(tmp_path, resuming=True).set_aside_after(12, 0, None) is None  # nothing more to do
+
+
+ZEROS = "zero bytes: space reserved but never written, as a crash or a full disk leaves it"
+
+
+@pytest.mark.parametrize("content, kind", [
+    (bytes(4096), f"a file of 4,096 {ZEROS}"),  # was "text": NUL is valid UTF-8
+    (bytes(3 << 20), f"a file of 3,145,728 {ZEROS}"),  # read in pieces, whatever its size
+    (bytes(600) + b"\x01", "not the zip archive torch.save writes"),  # zeros, then something: binary
+    (b"GIF89a\x01\x00\x01\x00\x00\x00\x00", "not the zip archive torch.save writes"),  # control bytes: not text
+])
+def test_a_file_of_zero_bytes_or_binary_is_not_called_text(tmp_path, content, kind):
+    path = tmp_path / "checkpoint.pth.tar"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as refused:
+        checkpoint.load(str(path))
+    assert str(refused.value) == f"argument --resume: {path} is not a PyTorch checkpoint ({kind})"

@@ -20,7 +20,7 @@ from common.dataset_lists import scan_split
 from common.image_files import BadImageError, read_rgb
 from common.tools.demo_data import DIGITS_CLASSES, write_digits, write_fake_imagenet
 from common.distributed import Context
-from helpers import FAST_ARGS, make_image_folder
+from helpers import FAST_ARGS, make_image_folder, memory_capped
 
 CPU = Context(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -226,12 +226,40 @@ def test_synthetic_loaders_need_no_disk():
     assert images.shape == (8, 3, 16, 16) and target.tolist() == list(range(8))
 
 
+def test_synthetic_images_no_machine_holds_are_one_line_before_they_are_drawn():
+    with memory_capped():  # the job's memory, as common.arguments.memory_bytes sees it: 2 GiB more than now
+        # One 10,000-pixel image (1.2 GB as float32 input) fits; the 64 distinct ones synthetic data draws do not.
+        cfg = parse("nd", ["--synthetic", "-b", "1", "--image-size", "10000", "--val-resize", "10000", "-j", "0"])
+        with pytest.raises(UsageError, match=r"^argument --image-size: --synthetic's 64 distinct 10000x10000 images "
+                                             r"would take 19.2 GB, more than the "):
+            build_loaders(cfg, CPU)
+
+
 def test_synthetic_data_says_that_data_is_not_read(tmp_path):
     args = ["-b", "8", "--image-size", "16", "--val-resize", "16", "-j", "0"]
     ignored = build_loaders(parse("nd", ["--synthetic", str(tmp_path / "imagenet"), *args]), CPU)
     assert ignored.notes == [f"note: --synthetic: DATA {tmp_path / 'imagenet'} is not read; random images stand "
                              f"in for it"]
     assert build_loaders(parse("nd", ["--synthetic", *args]), CPU).notes == []
+
+
+def test_more_data_loading_workers_than_cores_are_one_note_for_the_node_not_torchs_two_lines_per_process(
+        monkeypatch):
+    import os
+    import warnings
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one core, for torch's check and ours
+    args = ["--synthetic", "-b", "8", "--image-size", "16", "--val-resize", "16"]
+    with warnings.catch_warnings(record=True) as warned:
+        one = build_loaders(parse("ddp", [*args, "-j", "2"]), CPU)
+        two = build_loaders(parse("ddp", [*args, "-j", "2"]), dataclasses.replace(CPU, world_size=2, procs_per_node=2))
+        fits = build_loaders(parse("ddp", [*args, "-j", "1"]), CPU)
+    assert one.notes == ["warning: -j 2 = 2 data-loading processes on this node's 1 core(s): oversubscribed, they "
+                         "take turns; -j 1 or fewer runs as fast"]
+    assert two.notes == ["warning: -j 2 x 2 training processes = 4 data-loading processes on this node's 1 core(s): "
+                         "oversubscribed, they take turns; -j 1 or fewer runs as fast"]
+    assert fits.notes == []
+    assert [str(warning.message) for warning in warned if "DataLoader will create" in str(warning.message)] == []
 
 
 def test_a_class_folder_linked_to_another_class_or_split_is_named(tmp_path):
@@ -330,6 +358,19 @@ def test_dataset_writer_never_overwrites_a_foreign_folder(tmp_path):
         write_digits(tmp_path / "small", image_size=48)  # other parameters: refused, not rewritten
     with Image.open(next((tmp_path / "small" / "train").rglob("*.JPEG"))) as image:
         assert image.size == (16, 16)
+
+
+def test_a_fake_imagenet_the_disk_has_no_room_for_is_refused_before_anything_is_listed_or_written(tmp_path):
+    from common.tools import demo_data
+
+    # 2 x 10**15 folders: their list alone once took the machine's memory, before the disk filled.
+    with memory_capped(), pytest.raises(UsageError, match=rf"^{tmp_path}: 110,000,000,000,000,000 images of about "
+                                                          r"100 KB need [\d.]+ TB or more, and [\d.]+ [KMGT]?B is "
+                                                          r"free there; ask for fewer \(--classes, "):
+        demo_data.main(["fake-imagenet", str(tmp_path / "fake"), "--classes", str(10**15)])
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UsageError, match=r"^argument --image-size: one 1000000000x1000000000 digit image would take"):
+        demo_data.main(["digits", str(tmp_path / "digits"), "--image-size", str(10**9)])
 
 
 def test_fake_imagenet_is_imagenet_shaped(tmp_path):
@@ -556,3 +597,20 @@ def test_a_relative_xdg_cache_home_is_ignored_as_the_xdg_rules_say(tmp_path, mon
     cache = tmp_path / "home" / ".cache" / "imagenet-reference" / "file-lists"
     assert _source(lists) == f"scanned, cached in {next(cache.glob('data-*.npz'))}"
     assert not (tmp_path / "relative-cache").exists()
+
+
+@pytest.mark.parametrize("labels, message", [
+    # One large label: the message's missing label is found in the lines' count of work (it once built a set
+    # of every number up to the largest label: 10**15 of them, the machine's memory and more).
+    (("0", "1000000000000000"), r"train's labels must be 0 to K-1, each used; missing 1$"),
+    (("1", "999999999999999999"), r"train's labels must be 0 to K-1, each used; missing 0$"),
+    # More digits than any class count: int() refuses 4,300 and more, with a traceback.
+    (("0", "1" * 5000), r"line 2: label 111111111111111111111111\.\.\. has 5,000 digits; labels are class numbers"),
+])
+def test_a_huge_label_in_a_file_list_is_one_line_in_bounded_memory(tmp_path, labels, message):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"train/class_0/000.JPEG {labels[0]}\ntrain/class_1/000.JPEG {labels[1]}\n"
+                      f"val/class_0/000.JPEG 0\n")
+    with memory_capped(), pytest.raises(UsageError, match=rf"^argument --file-list: {listed}: {message}"):
+        _found(root, "--file-list", str(listed))

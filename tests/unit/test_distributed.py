@@ -312,3 +312,95 @@ def test_a_rank_outside_its_world_is_said_by_the_process_that_has_it(capsys):
     assert exit_status(caught.value, *launched_identity(env)) == USAGE_EXIT_STATUS
     assert re.fullmatch(r".*: error: rank 5: environment variable LOCAL_RANK=4 is outside 0 to 3, the ranks of the 4 "
                         r"process\(es\) LOCAL_WORLD_SIZE says\n", capsys.readouterr().err)
+
+
+# --- what a node can run: process counts against its cores and memory ---
+
+GIB = 2 ** 30
+
+
+def test_more_training_processes_than_cores_on_the_cpu_are_refused_in_one_line():
+    from common.launcher import check_node_processes
+
+    with pytest.raises(UsageError, match=r"^argument --nproc-per-node: 3 training processes on the CPU, but this "
+                                         r"node gives the job 2 core\(s\); at most one process per core"):
+        check_node_processes(3, 0, 4, 32, share_cores=True, cores=2, memory=GIB)
+    check_node_processes(2, 0, 4, 32, share_cores=True, cores=2, memory=GIB)  # one each
+    check_node_processes(3, 0, 4, 32, share_cores=False, cores=2, memory=GIB)  # GPUs, or srun's own cores
+
+
+@pytest.mark.parametrize("workers", [10**6, 10**15])
+def test_more_data_loading_processes_than_memory_holds_are_refused_at_once(workers):
+    from common.launcher import check_node_processes
+
+    # 8 MiB of its own and two prefetched batches of 4 x 3 x 32 x 32 bytes each: 10**6 of them need 8.4 TB.
+    with pytest.raises(UsageError, match=rf"^argument -j/--workers: -j {workers} data-loading processes x "
+                                         rf"--nproc-per-node 2 on this node, with batches of -b 4 at --image-size 32 "
+                                         rf"would take [\d.]+ TB, more than the 24.0 GB of memory this machine gives "
+                                         rf"the job$"):
+        check_node_processes(2, workers, 4, 32, share_cores=True, cores=2, memory=24 * 10**9)
+    check_node_processes(2, 20, 4, 32, share_cores=True, cores=2, memory=24 * 10**9)  # legal, if oversubscribed
+
+
+def test_processes_a_spawning_launcher_or_torchrun_starts_count_against_the_cores_srun_tasks_do_not(monkeypatch):
+    from common import launcher
+
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
+    torchrun = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    for launch in (discover(ddp_config("--nproc-per-node", "3"), {}, gpus_visible=0),
+                   discover(ddp_config(), torchrun, gpus_visible=0)):
+        with pytest.raises(UsageError, match="argument --nproc-per-node: 3 training processes on the CPU"):
+            launcher.check_before_start(ddp_config("-j", "0"), launch, gpus_visible=0)
+    # srun may bind each task to a core of its own: what this process sees is its own, not the node's.
+    srun = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "5"}
+    launcher.check_before_start(ddp_config("-j", "0"), discover(ddp_config(), srun, gpus_visible=0), gpus_visible=0)
+
+
+@pytest.mark.parametrize("procs, workers, line", [
+    (1, 4, "warning: -j 4 = 4 data-loading processes on this node's 2 core(s): oversubscribed, they take turns; "
+           "-j 2 or fewer runs as fast"),
+    (2, 2, "warning: -j 2 x 2 training processes = 4 data-loading processes on this node's 2 core(s): "
+           "oversubscribed, they take turns; -j 1 or fewer runs as fast"),
+])
+def test_a_legal_but_oversubscribed_node_is_one_warning_line(procs, workers, line):
+    from common.launcher import oversubscription
+
+    assert oversubscription(procs, workers, cores=2) == line
+    assert oversubscription(1, 2, cores=2) is None and oversubscription(2, 1, cores=2) is None  # one each at most
+
+
+def test_cpu_threads_are_a_share_of_the_cores_this_job_may_use_not_of_the_machine(monkeypatch):
+    import os
+
+    from common.launcher import cpu_threads_per_process
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})  # this job's share (Slurm, taskset)
+    assert cpu_threads_per_process(2, {}) == 2
+    assert cpu_threads_per_process(8, {}) == 1
+
+
+@pytest.mark.parametrize("url", ["tcp://alice:s3cret@node0:29500", "tcp://s3cret@node0:29500",
+                                 "tcp://[alice:s3cret@node0]:29500"])
+def test_a_dist_url_with_credentials_is_refused_without_quoting_them(url):
+    from common.launcher import tcp_address
+
+    with pytest.raises(UsageError, match=r"^argument --dist-url: 'tcp://(\[)?\*\*\*@node0\]?:29500' holds credentials "
+                                         r"\(a user name or password before @\), which the rendezvous never takes"
+                       ) as refused:
+        tcp_address(url)
+    assert "s3cret" not in str(refused.value) and "alice" not in str(refused.value)
+
+
+def test_a_worker_ended_by_the_stop_signal_passed_on_while_starting_is_an_interruption_not_a_failure(capsys):
+    import signal
+
+    from common import spawn
+
+    with pytest.raises(KeyboardInterrupt):  # "interrupted", exit status 130 (errors.exit_status)
+        spawn._watch([_EndedWorker("rank0", -signal.SIGTERM), _EndedWorker("rank1", 130)], [signal.SIGTERM])
+    assert "error" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a SIGTERM nobody passed on: a failure, named
+        spawn._watch([_EndedWorker("rank0", -signal.SIGTERM)], [])
+    assert "worker rank0 was killed by SIGTERM" in capsys.readouterr().err

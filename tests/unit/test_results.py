@@ -45,6 +45,17 @@ def test_results_of_synthetic_runs(runs, tmp_path, capsys):
     assert "top5_val.png" not in text
 
 
+def test_a_password_an_older_run_recorded_in_its_command_is_not_shown(runs):
+    import json
+
+    config_path = next(runs.glob("*cpux2*")) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["command"] += " --dist-url tcp://alice:s3cret@node0:29500"  # refused since; recorded before
+    config_path.write_text(json.dumps(config))
+    text = results.main([str(runs)])
+    assert "--nproc-per-node 2 --dist-url tcp://***@node0:29500`" in text and "s3cret" not in text
+
+
 def test_upstream_section_side_by_side(runs):
     text = results.main([str(runs), "--upstream", str(UPSTREAM), "--figures", str(runs / "none")])
     section = text[text.index("## Upstream reference numbers"):]

@@ -468,3 +468,20 @@ def test_every_process_hands_the_launcher_each_epochs_figures_under_the_names_tu
     assert (figures["val_top1"], figures["train_top1"], figures["train_lr"], figures["val_macro_f1"]) == \
         (55.0, 40.0, 0.1, 50.0)
     assert "train_loss_scale" not in figures and "val_lr" not in telemetry.REPORTED_METRICS  # none, not None
+
+
+def test_config_json_records_the_command_without_a_credential_in_it(tmp_path, monkeypatch):
+    import sys
+
+    from common.checkpoint import ResumePoint
+    from common.cli import parse
+
+    # What the command line does not refuse (a name, a value it does not read as a URL) is still shown as stars.
+    monkeypatch.setattr(sys, "argv", ["imagenet_nd.py", "--synthetic", "--run-name", "https://alice:s3cret@host"])
+    log = telemetry.RunLog(distributed.single_process("cpu"))
+    log.start_run(parse("nd", ["--synthetic"]), ResumePoint(0), {}, types.SimpleNamespace(path=tmp_path,
+                                                                                         resuming=False))
+    for writer in (log._writer, log._step_writer):  # TensorBoard's, opened beside config.json
+        writer.close()
+    command = json.loads((tmp_path / "config.json").read_text())["command"]
+    assert command.endswith("imagenet_nd.py --synthetic --run-name https://***@host") and "s3cret" not in command

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import common.tools.bench
-from common.arguments import Parser, non_negative_int, positive_float, positive_int
+from common.arguments import (Parser, check_batch_fits, check_fits_in_memory, data_workers_bytes, memory_bytes,
+                              non_negative_int, positive_float, positive_int, usable_cores)
 from common.errors import FAILED_EXIT_STATUS, UsageError
 from common.tools.bench.gpu_monitor import GpuMonitor, gpus_to_sample
 from common.tools.bench.machine import versions
@@ -208,7 +209,23 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if {"comm", "scaling"} & set(args.sections):
         settings = dataclasses.replace(settings, comm_world_size=_comm_world_size(args, gpu), comm_sizes=tuple(sorted(
             set(args.comm_sizes or (comm_sizes_default(gpu))))))
+    _check_machine_fits(settings)
     return settings
+
+
+def _check_machine_fits(settings: Settings) -> None:
+    """What this machine could never hold, told before anything is measured
+    (the training script's own limits, common.cli): a batch, the input
+    section's data-loading processes, the comm section's messages."""
+    memory = memory_bytes()
+    check_batch_fits(settings.batch_size, settings.image_size, memory)
+    workers = max(settings.workers)
+    check_fits_in_memory("--workers", data_workers_bytes(workers, settings.batch_size, settings.image_size),
+                         f"{workers} data-loading processes", memory)
+    if settings.comm_world_size and settings.comm_sizes:
+        largest = max(settings.comm_sizes)
+        check_fits_in_memory("--comm-sizes", settings.comm_world_size * largest,
+                             f"{settings.comm_world_size} processes' all-reduce of {largest:,} bytes", memory)
 
 
 def _gpu_monitor(device: str, gpu_index: Optional[str]) -> Optional[GpuMonitor]:
@@ -235,6 +252,9 @@ def _comm_world_size(args: argparse.Namespace, gpu: bool) -> int:
     if gpu and world > torch.cuda.device_count():
         raise UsageError(f"argument --comm-world-size: {world} processes, one per GPU, but "
                          f"{torch.cuda.device_count()} GPU(s) are visible")
+    if not gpu and world > usable_cores():
+        raise UsageError(f"argument --comm-world-size: {world} processes on the CPU, but this machine gives the job "
+                         f"{usable_cores()} core(s); at most one process per core")
     return world
 
 

@@ -25,8 +25,12 @@ from typing import List
 
 from PIL import Image
 
+from common.errors import UsageError
+from common.files import room_at
+
 REPO = Path(__file__).resolve().parents[3]
 MIB = 2 ** 20
+DIRECTORY_ENTRY_BYTES = 64  # a link's entry in its folder, rounded up (ext4: 8 bytes and the name, 4-aligned)
 SOURCES = 64  # tiny JPEGs the tree's files link to: 20,000 links each at ImageNet's size (ext4 allows 65,000)
 
 
@@ -38,6 +42,13 @@ def hardlinked_tree(folder: Path, classes: int, per_class: int) -> Path:
     root = folder / f"hardlinked-{classes}x{per_class}"
     if root.is_dir():
         return root
+    # Checked before a link is made, in arithmetic whatever the counts: a link takes a directory entry, a
+    # class its two folders' inodes.
+    links, free_bytes, free_inodes = classes * (per_class + 1), *room_at(folder)
+    if links * DIRECTORY_ENTRY_BYTES > free_bytes or 2 * classes + SOURCES > free_inodes:
+        raise UsageError(f"argument --data-scale: {classes:,} x {per_class:,} training images need {links:,} links "
+                         f"in {2 * classes:,} folders, more than {folder} has room for ({free_bytes:,} bytes and "
+                         f"{free_inodes:,} inodes free)")
     building = folder / f".{root.name}.building-{os.getpid()}"
     try:
         (building / ".sources").mkdir(parents=True)

@@ -11,11 +11,11 @@ plans and the rows it makes of them.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from common.arguments import usable_cores
 from common.errors import error_summary
 from common.tools.bench import data_scale
 from common.tools.bench.gpu_monitor import GpuMonitor
@@ -212,7 +212,7 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
     on_gpu = settings.device == "cuda"
     spec = {"kind": "comm", "world_size": world, "backend": backend, "sizes": list(settings.comm_sizes),
             "warmup": 5 if on_gpu else 2, "iterations": 50 if on_gpu else 20, "budget_seconds": 2.0 if on_gpu else 1.0,
-            "threads": max(1, (os.cpu_count() or 1) // world)}
+            "threads": max(1, usable_cores() // world)}
     print(f"comm: all-reduce among {world} processes ({backend}), {len(spec['sizes'])} sizes from "
           f"{size_name(min(spec['sizes']))} to {size_name(max(spec['sizes']))}", flush=True)
     measurements, failure = [], None
@@ -269,7 +269,7 @@ def scaling_section(settings: Settings, save: Optional[Callable[[List[dict]], No
     planned = []
     for world, hook in [(1, "none")] + [(settings.comm_world_size, hook) for hook in SCALING_HOOKS]:
         spec = dict(workload, kind="scaling", world_size=world, backend=backend, hook=hook,
-                    threads=max(1, (os.cpu_count() or 1) // world) if not on_gpu else 1)
+                    threads=max(1, usable_cores() // world) if not on_gpu else 1)
         fields = dict(section="scaling", config=f"{world} process{'es' if world > 1 else ''}, hook {hook}",
                       world_size=world, backend=backend, hook=hook, arch=workload["arch"],
                       batch_size=workload["batch_size"], image_size=workload["image_size"], data_backend="synthetic",
