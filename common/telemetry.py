@@ -32,7 +32,7 @@ import torchvision
 
 from common.checkpoint import ResumePoint
 from common.config import Config
-from common import hardware
+from common import hardware, provenance
 from common.distributed import Context
 from common.errors import UsageError, one_line, printable, without_credentials
 from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text, format_bytes
@@ -113,7 +113,9 @@ def _cpu_model() -> str:
 
 
 def environment(ctx: Context) -> dict:
-    """Host, versions and hardware, for config.json and RESULTS.md."""
+    """Host, versions, hardware and the code (common.provenance: it runs git,
+    so this is called once per run, on the primary), for config.json,
+    resumes.jsonl and RESULTS.md."""
     cuda = torch.cuda.is_available()
     return {
         "host": socket.gethostname(),
@@ -131,6 +133,7 @@ def environment(ctx: Context) -> dict:
         "replicas": ctx.replicas,  # model replicas: GPUs (or CPU processes) in the job
         "launcher": ctx.launcher,
         **hardware.describe(ctx.device),  # which half types run natively: cpu_capability, cpu_bf16_native, ...
+        **provenance.code_version(),  # git_commit, git_dirty, git_diff_sha256: None each outside a git checkout
     }
 
 

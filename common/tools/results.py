@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from common import provenance
 from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main, without_credentials
 from common.tools import plots
@@ -118,13 +119,14 @@ def run_section(run: plots.Run) -> str:
              f"- **Started:** {config.get('started', '—')} at epoch {config.get('start_epoch', '—')}"]
     for resume in run.resumes:
         lines.append(f"- **Resumed:** {resume.get('started')} at epoch {resume.get('start_epoch')}: "
-                     f"`{portable_command(resume.get('command') or '')}`")
+                     f"`{portable_command(resume.get('command') or '')}`" + other_code(resume, config))
     lines += [
         f"- **Hardware:** {plots.count_label(run.replicas, run.device_kind)}; device {env['device']}; CPU "
         f"{env['cpu_model']} ({env['cpu_count']} cores); host {env['host']}; {env['world_size']} process(es), "
         f"launcher {env['launcher']}",
         f"- **Versions:** Python {env['python']}, torch {env['torch']}, torchvision {env['torchvision']}, "
         f"CUDA {env['cuda']}, cuDNN {env['cudnn']}; {env['platform']}",
+        *code_line(config),
         "- **Resolved:** " + (", ".join(f"{key.replace('_', ' ')} {setting}" for key, setting in resolved.items())
                               or "—"),
         f"- **Training time:** {duration(plots.training_seconds(run))} over {len(epochs)} epoch(s), " + (
@@ -153,6 +155,21 @@ def run_section(run: plots.Run) -> str:
     lines += ["", table(["epoch", "train loss", "train top-1 (%)", "val loss", "val top-1 (%)", "val top-5 (%)",
                          "train images/s", "data wait (%)"], rows)]
     return "\n".join(lines)
+
+
+def code_line(record: dict) -> List[str]:
+    """The Code bullet of a run whose config.json says which code ran (none
+    for runs from before it did)."""
+    environment = record.get("environment") or {}
+    return [f"- **Code:** {provenance.describe(environment)}"] if "git_commit" in environment else []
+
+
+def other_code(resume: dict, config: dict) -> str:
+    """', other code: commit ...' where a resume ran other code than the run's start."""
+    now, before = resume.get("environment") or {}, config.get("environment") or {}
+    if "git_commit" not in now or all(now.get(field) == before.get(field) for field in provenance.PROVENANCE_FIELDS):
+        return ""
+    return f", other code: {provenance.describe(now)}"
 
 
 def across_runs(runs: Sequence[plots.Run]) -> str:
@@ -216,7 +233,8 @@ def bench_section(paths: Sequence[str]) -> str:
         parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
-                  f"host `{first['host']}`; {_half_support(first)}.", ""]
+                  f"host `{first['host']}`; {_half_support(first)}"
+                  + (f"; {provenance.describe(first)}" if first.get("git_commit") else "") + ".", ""]
         if speed:
             columns = _bench_columns(speed)
             parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),

@@ -21,7 +21,8 @@ COMMON = REPO / "common"
 MAX_CLASS_LINES = 150
 # The bottom layer, the table's first rows: what every module may import, and which imports no other module of
 # common/ than these.
-BOTTOM = {"common.errors", "common.files", "common.ports", "common.config", "common.arguments", "common.hardware"}
+BOTTOM = {"common.errors", "common.files", "common.ports", "common.config", "common.arguments", "common.hardware",
+          "common.provenance"}
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 # A row of its module table: `common/name.py`, or a folder, `common/tools/`, that stands for all its modules.
 TABLE_ROW = re.compile(r"^\| `common/([\w/]+?)(\.py|/)` \|", re.MULTILINE)
@@ -31,7 +32,7 @@ CLI_IMPORTERS = {"common.tools.bench.measurements", "common.ray_cluster"}
 # The command line and what it imports: no torch (seconds and hundreds of MiB), so that --help and a mistake's
 # one line come at once. They import only each other at module level (a function may import more, when it runs).
 TORCH_FREE = {"common.errors", "common.files", "common.config", "common.arguments", "common.ports",
-              "common.architectures", "common.launcher", "common.process_signals", "common.cli"}
+              "common.architectures", "common.launcher", "common.process_signals", "common.cli", "common.provenance"}
 
 
 def module_name(path: Path) -> str:

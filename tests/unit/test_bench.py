@@ -432,6 +432,31 @@ def test_a_rows_gpu_state_is_over_the_busy_samples_of_all_its_repeats():
     assert parse_gpu_sample("No devices were found") is None
 
 
+def test_every_row_carries_the_code_that_ran_asked_once_per_run(tmp_path, monkeypatch):
+    from common import provenance
+    from common.tools import results
+
+    # Hashes that would read back as numbers (digits only; 0e...: a float) if read as anything but text.
+    code = {"git_commit": "1234567890" * 4, "git_dirty": True, "git_diff_sha256": "0e" + "1" * 62}
+    asked = []
+    monkeypatch.setattr(provenance, "code_version", lambda: asked.append(1) or dict(code))
+    ran = command_line.settings_from(command_line.build_parser().parse_args(["--device", "cpu"]))
+    assert ran.code == code and asked == [1]
+    measured = [{"images_per_second": 10.0, "ms_per_step": 1.0, "peak_memory_mib": 1.0}]
+    rows = [repeats.finish(dict(section="input", config="torchvision", workers=1), measured, None, ran),
+            *sections.comm_rows([{"sizes": [{"size_bytes": 4096, "time_us": 10.0}]}], None, 2, "gloo", [4096],
+                                ran.code)]
+    assert all(tuple(row) == report.FIELDS and {key: row[key] for key in code} == code for row in rows)
+    path = tmp_path / "bench.csv"
+    report.write_csv(rows, path)
+    assert [(row["git_commit"], str(row["git_dirty"]), row["git_diff_sha256"]) for row in report.read_csv(str(path))] \
+        == [(code["git_commit"], "True", code["git_diff_sha256"])] * 2
+    assert "; commit 123456789012 with uncommitted changes (diff sha256 0e1111111111)." in results.bench_section(
+        [str(path)])
+    unknown = repeats.finish(dict(section="input", config="pil"), measured, None, settings())  # outside a checkout
+    assert [unknown[key] for key in code] == ["", "", ""]
+
+
 def test_command_line_mistakes_are_one_line(tmp_path):
     with pytest.raises(UsageError, match="--input-rounds: replaced by --repeats N"):
         command_line.main(["--input-rounds", "3"])
@@ -593,7 +618,7 @@ def test_bus_bandwidth_is_nccl_tests_definition_and_comm_rows_come_one_per_size(
     # Two repeats of two sizes: the median time (of two: their mean), algbw = bytes / time, busbw from it.
     measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 100.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]},
                     {"sizes": [{"size_bytes": 4096, "time_us": 300.0}, {"size_bytes": 1 << 20, "time_us": 1000.0}]}]
-    rows = sections.comm_rows(measurements, None, 4, "gloo", [4096, 1 << 20])
+    rows = sections.comm_rows(measurements, None, 4, "gloo", [4096, 1 << 20], settings().code)
     assert [(row["section"], row["config"], row["size_bytes"], row["repeats"]) for row in rows] == [
         ("comm", "all_reduce 4 KiB", 4096, 2), ("comm", "all_reduce 1 MiB", 1 << 20, 2)]
     assert rows[0]["time_us"] == 200.0 and rows[0]["spread_percent"] == 100.0  # (300 - 100) / 200
@@ -621,7 +646,7 @@ def test_the_comm_sections_csv_is_the_scaling_models_measured_link(tmp_path):
 
     measurements = [{"sizes": [{"size_bytes": 4096, "time_us": 40.0}, {"size_bytes": 16 << 20, "time_us": 20000.0}]}]
     path = tmp_path / "comm.csv"
-    report.write_csv(sections.comm_rows(measurements, None, 4, "nccl", [4096, 16 << 20]), path)
+    report.write_csv(sections.comm_rows(measurements, None, 4, "nccl", [4096, 16 << 20], settings().code), path)
     links = scaling.links_from_comm_csv(path, scaling.H100_LINKS)
     # busbw of the largest size: 16 MiB / 20 ms x 2 * 3 / 4 = 1.258 GB/s (4 decimals in the CSV).
     assert links.intra_node_bytes_per_second == pytest.approx(1.2583e9)

@@ -3,6 +3,7 @@ training time and numbers as derived from its logs, is the same every time,
 and turns a wrong path into one line and exit status 2."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from common.tools import results
-from helpers import FAST_ARGS, REPO, UPSTREAM, make_runs, run_script
+from helpers import FAST_ARGS, REPO, START, UPSTREAM, epoch_rows, make_runs, run_script, write_run
 
 
 def results_command(*argv) -> subprocess.CompletedProcess:
@@ -54,6 +55,31 @@ def test_a_password_an_older_run_recorded_in_its_command_is_not_shown(runs):
     config_path.write_text(json.dumps(config))
     text = results.main([str(runs)])
     assert "--nproc-per-node 2 --dist-url tcp://***@node0:29500`" in text and "s3cret" not in text
+
+
+def test_a_runs_code_is_shown_and_a_resume_with_other_code_is_named(tmp_path):
+    run_dir = write_run(tmp_path / "runs", "Nov25_10-00-00_node-a_resnet18_cpux1_b4_cpu1_optO0", 1,
+                        epoch_rows(0, START, 40, 30.0) + epoch_rows(1, START + 120, 40, 35.0))
+    config = json.loads((run_dir / "config.json").read_text())
+    code = {"git_commit": "0123456789abcdef" * 2 + "01234567", "git_dirty": False, "git_diff_sha256": None}
+    config["environment"].update(code)
+    (run_dir / "config.json").write_text(json.dumps(config))
+    changed = dict(code, git_dirty=True, git_diff_sha256="fedcba9876543210" * 4)
+    resumes = [dict(config, started="2026-11-25T11:00:00+00:00", start_epoch=1),  # the same code
+               dict(config, started="2026-11-25T12:00:00+00:00", start_epoch=1,
+                    environment=dict(config["environment"], **changed))]
+    (run_dir / "resumes.jsonl").write_text("".join(json.dumps(resume) + "\n" for resume in resumes))
+    text = results.main([str(tmp_path / "runs"), "--figures", str(tmp_path / "none")])
+    assert "- **Code:** commit 0123456789ab\n" in text
+    resumed = [line for line in text.splitlines() if line.startswith("- **Resumed:**")]
+    assert len(resumed) == 2 and "other code" not in resumed[0]
+    assert resumed[1].endswith("`, other code: commit 0123456789ab with uncommitted changes (diff sha256 "
+                               "fedcba987654)")
+    config["environment"].update(git_commit=None, git_dirty=None)  # recorded outside a git checkout
+    (run_dir / "config.json").write_text(json.dumps(config))
+    (run_dir / "resumes.jsonl").unlink()
+    text = results.main([str(tmp_path / "runs"), "--figures", str(tmp_path / "none")])
+    assert "- **Code:** commit unknown (not a git checkout, or git could not tell)" in text
 
 
 def test_upstream_section_side_by_side(runs):

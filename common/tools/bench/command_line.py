@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import common.tools.bench
+from common import provenance
 from common.arguments import (Parser, check_batch_fits, check_fits_in_memory, data_workers_bytes, memory_bytes,
                               non_negative_int, positive_float, positive_int, usable_cores)
 from common.errors import FAILED_EXIT_STATUS, UsageError
@@ -205,7 +206,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         repeats=args.repeats or (3 if gpu else 1), input_repeats=args.repeats or 3,
         backends=args.backends or (END_TO_END_BACKENDS if gpu else ("torchvision",)),
         measure_emulated=args.measure_emulated, peak_tflops=args.peak_tflops,
-        gpu=_gpu_monitor(device, args.gpu_index))
+        gpu=_gpu_monitor(device, args.gpu_index), code=provenance.code_version())
     if {"comm", "scaling"} & set(args.sections):
         settings = dataclasses.replace(settings, comm_world_size=_comm_world_size(args, gpu), comm_sizes=tuple(sorted(
             set(args.comm_sizes or (comm_sizes_default(gpu))))))
@@ -289,7 +290,7 @@ def run_sections(args: argparse.Namespace, settings: Settings, csv_path: Path) -
         sections = {"train": lambda: train_section(settings, Path(logdir), args.compile, args.configs, save),
                     "input": lambda: input_section(settings, root, save),
                     "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save),
-                    "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale),
+                    "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale, settings.code),
                     "comm": lambda: comm_section(settings, save),
                     "scaling": lambda: scaling_section(settings, save)}
         for section in SECTIONS:

@@ -1,6 +1,7 @@
 """What every row records about the machine it ran on: the device's name,
 the CPU threads, the versions of torch, torchvision and CUDA, the host and
-the date, and which half types the device runs natively (common.hardware).
+the date, which half types the device runs natively (common.hardware), and
+the code that ran (common.provenance: asked once per run, Settings.code).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import platform
 import socket
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Mapping
 
 
 def versions() -> Dict[str, object]:
@@ -28,9 +29,12 @@ def versions() -> Dict[str, object]:
             "bf16_native": support.bf16_native, "fp16_native": support.fp16_native}
 
 
-def with_machine(row: dict) -> dict:
-    """`row` with the machine's fields (versions()) filled in where it has none; the same row."""
+def with_machine(row: dict, code: Mapping) -> dict:
+    """`row` with the machine's fields (versions()) filled in where it has none,
+    and the code's (`code`: common.provenance.code_version(), asked once per
+    run; an unknown one empty); the same row."""
     row.update({key: value for key, value in versions().items() if not row.get(key)})
+    row.update({key: "" if value is None else value for key, value in code.items()})
     return row
 
 

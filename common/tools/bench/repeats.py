@@ -92,7 +92,7 @@ def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], s
     row = record(**{**fields, **({} if failure else summarize(measurements))})
     if failure:
         row["note"] = "; ".join(filter(None, (row["note"], failure)))
-    with_machine(row)
+    with_machine(row, settings.code)
     if row["section"] != "input" and isinstance(row["images_per_second"], (int, float)):
         gflop = flops.training_gflop_per_image(row["arch"], int(row["image_size"]))
         peak = settings.peak_tflops or (flops.gpu_peak_tflops(str(row["device_name"]), row["precision"])

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
+from common.provenance import PROVENANCE_FIELDS
+
 # The fields of every JSON line and CSV row, in order (tests check them). images_per_second and
 # ms_per_step are the medians of the row's `repeats`; spread_percent is (max - min) / median of its
 # images/s. The GPU's state (sm_clock_mhz ... gpu_samples) is over the samples of all its repeats.
@@ -19,7 +21,9 @@ FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "p
           "repeats", "images_per_second_min", "images_per_second_max", "spread_percent", "gflop_per_image",
           "peak_tflops", "mfu_percent", "peak_memory_mib", "measured_steps", "warmup_steps", "sm_clock_mhz",
           "power_w", "temperature_c", "throttle_reasons", "gpu_samples", "device_name", "cpu_threads", "torch",
-          "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native", "note",
+          "torchvision", "cuda", "host", "date", "capability", "bf16_native", "fp16_native",
+          *PROVENANCE_FIELDS,  # the code that ran: git_commit, git_dirty, git_diff_sha256 (common.provenance)
+          "note",
           "seconds", "list_mib", "worker_copied_mib",  # the data-scale section's (data_scale)
           # the comm and scaling sections' (comm_bench): all-reduce times and bandwidths (nccl-tests' algbw,
           # busbw), and a DDP step split into compute, exposed communication and data wait
@@ -66,11 +70,13 @@ def write_csv(rows: List[dict], path: Path) -> None:
 
 
 def read_csv(path: str) -> List[dict]:
-    """The rows of a bench CSV: numbers as numbers, empty cells as '' (not NaN).
-    The columns are the file's own: CSVs written before a field existed lack it."""
+    """The rows of a bench CSV: numbers as numbers, empty cells as '' (not NaN),
+    hashes as text (one of digits only, or digits around an e, would read as a
+    number). The columns are the file's own: CSVs written before a field existed lack it."""
     import pandas
 
-    return pandas.read_csv(path, keep_default_na=False).to_dict("records")
+    hashes = {"git_commit": str, "git_diff_sha256": str}
+    return pandas.read_csv(path, keep_default_na=False, dtype=hashes).to_dict("records")
 
 
 def as_number(value) -> Optional[float]:

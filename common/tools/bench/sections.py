@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import statistics
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 from common.arguments import usable_cores
 from common.errors import error_summary
@@ -170,22 +170,23 @@ def backend_missing(backend: str) -> str:
     return DALI_MISSING if dali.not_installed(error) else f"nvidia.dali cannot be imported: {error_summary(error)}"
 
 
-def data_scale_section(cache: Path, classes: int, per_class: int) -> List[dict]:
-    """The data-scale section's rows (data_scale), with the machine."""
+def data_scale_section(cache: Path, classes: int, per_class: int, code: Mapping) -> List[dict]:
+    """The data-scale section's rows (data_scale), with the machine and the code (Settings.code)."""
     rows = []
     for measured in data_scale.data_scale_rows(cache, classes, per_class):
-        rows.append(rounded(with_machine(record(**measured))))
+        rows.append(rounded(with_machine(record(**measured), code)))
     return rows
 
 
 # --- comm and scaling: among N processes this harness starts ---
 
 def comm_rows(measurements: Sequence[dict], failure: Optional[str], world_size: int, backend: str,
-              sizes: Sequence[int]) -> List[dict]:
+              sizes: Sequence[int], code: Mapping) -> List[dict]:
     """One row per all-reduce size from the repeats' measurements ({"sizes":
     [{size_bytes, time_us}, ...]} each): the median time, algbw = bytes / time,
     busbw = algbw x 2(n-1)/n, the spread of the times; the failure, if any, in
-    every row's note (rows without figures when nothing was measured)."""
+    every row's note (rows without figures when nothing was measured); `code`:
+    Settings.code."""
     rows = []
     for size in sizes:
         times = [found["time_us"] for measured in measurements for found in measured["sizes"]
@@ -200,7 +201,7 @@ def comm_rows(measurements: Sequence[dict], failure: Optional[str], world_size: 
             fields.update(time_us=median, repeats=len(times), algbw_gbytes_per_s=algbw / 1e9,
                           busbw_gbytes_per_s=bus_bandwidth(algbw, world_size) / 1e9,
                           spread_percent=100.0 * (max(times) - min(times)) / median if len(times) > 1 else "")
-        rows.append(rounded(with_machine(record(**fields))))
+        rows.append(rounded(with_machine(record(**fields), code)))
     return rows
 
 
@@ -230,8 +231,8 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
                   f"{algbw / 1e9:.3f} GB/s, busbw {bus_bandwidth(algbw, world) / 1e9:.3f} GB/s (repeat {round_} of "
                   f"{settings.repeats}, process {measured.get('process', '?')})", flush=True)
         if save is not None and round_ < settings.repeats:
-            save(comm_rows(measurements, None, world, backend, spec["sizes"]))
-    return [emit(row) for row in comm_rows(measurements, failure, world, backend, spec["sizes"])]
+            save(comm_rows(measurements, None, world, backend, spec["sizes"], settings.code))
+    return [emit(row) for row in comm_rows(measurements, failure, world, backend, spec["sizes"], settings.code)]
 
 
 # The scaling section's workload on the CPU: ResNet-18 at 64 px, 16 images per process (a third of a second a

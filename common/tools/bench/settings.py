@@ -4,8 +4,9 @@ command line resolved, with the device's defaults, read by every section.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from common import provenance
 from common.tools.bench.gpu_monitor import GpuMonitor
 
 
@@ -28,6 +29,8 @@ class Settings:
     gpu: Optional[GpuMonitor] = None  # samples the GPU's state while each measured process runs
     comm_world_size: int = 2  # processes of the comm and scaling sections
     comm_sizes: Sequence[int] = ()  # all-reduce sizes (bytes) of the comm section
+    # The code every row's processes ran (common.provenance.code_version(), asked once per run: it runs git).
+    code: Mapping = dataclasses.field(default_factory=provenance.unknown)
 
     @property
     def synthetic_workers(self) -> int:
