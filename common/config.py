@@ -26,6 +26,7 @@ DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
 # takes seconds, a busy one a minute or two, for a batch of files; ten minutes is a worker or a file
 # system that stopped answering.
 DATA_TIMEOUT_SECONDS = 600.0
+MAX_DATA_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a week; more would overflow the clocks a wait is timed by (0: for ever)
 
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")

@@ -146,8 +146,8 @@ def check_restarts(run: ScriptRun, max_failures: int, count: WorkerCount) -> Non
     if run.cfg.resume == "auto":
         return
     if max_failures > 0:
-        raise UsageError(f"argument --max-failures: Ray restarts the training command after a failure, which "
-                         f"continues only with --resume auto in it; add --resume auto after `--`")
+        raise UsageError("argument --max-failures: Ray restarts the training command after a failure, which "
+                         "continues only with --resume auto in it; add --resume auto after `--`")
     if not isinstance(count, int):
         raise UsageError("argument --num-workers: an elastic run restarts the training command at each resize, "
                          "which continues only with --resume auto in it; add --resume auto after `--`")

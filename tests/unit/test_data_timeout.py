@@ -142,3 +142,16 @@ def test_reading_slots_say_what_a_row_is_reading_and_which_has_read_longest(tmp_
     slots.finished()
     assert re.fullmatch(r"has read no file since /data/b\.JPEG, \d+ s ago", slots.describe(-1, samples))
     assert slots.longest_reading() is None
+
+
+@pytest.mark.parametrize("value", ["-1", "604801", "1e300", "nan"])
+def test_a_timeout_out_of_range_is_one_line_naming_the_flag(value):
+    from common import cli
+    from common.errors import UsageError
+
+    with pytest.raises(UsageError) as raised:
+        cli.parse("nd", ["--synthetic", "--data-timeout", value])
+    assert str(raised.value) == f"argument --data-timeout: expected seconds from 0 to 604800 (a week), got {value} " \
+                                "(see --help)"
+    assert cli.parse("nd", ["--synthetic", "--data-timeout", "604800"]).data_timeout == 604800.0
+    assert cli.parse("nd", ["--synthetic"]).data_timeout == 600.0
