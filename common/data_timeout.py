@@ -55,7 +55,7 @@ class ReadingSlots:
     each (pid, dataset index, started, finished) in seconds of the
     system-wide monotonic clock, in shared memory, so that the training
     process reads what its forked workers write (a spawned one gets the
-    same memory). A row is written twice a file, two stores each."""
+    same memory). A read costs two small writes to its row."""
 
     def __init__(self, workers: int):
         self.table = torch.full((workers + 1, 4), -1.0, dtype=torch.float64).share_memory_()

@@ -92,7 +92,8 @@ def _peer_loss_line(error: BaseException, timed_out: bool, cfg: Config, launch: 
             whom = ("rank 0, whose rendezvous store does not answer either" if launch.agent_store is None
                     else "another process; the rendezvous store does not answer either")
         else:
-            whom = f"rank {', '.join(map(str, silent))}" if silent else "a process that answered again later"
+            ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+            whom = ranks if silent else "a process that answered again later"
     return (f"lost {whom}: no answer within --dist-timeout {cfg.dist_timeout:g} s ({said}); {heard}; it stopped "
             f"or hangs: its output, or its node's, may say why")
 

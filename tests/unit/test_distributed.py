@@ -278,6 +278,32 @@ def test_a_roll_call_names_the_ranks_that_do_not_answer_and_none_when_the_store_
     assert roll_call(1, 3, 0.1, store=Unanswered()) is None
 
 
+@pytest.mark.parametrize("silent, whom", [([1, 3], "ranks 1, 3"), ([0], "rank 0"),
+                                           (None, "rank 0, whose rendezvous store does not answer either")])
+def test_of_more_than_two_a_process_names_the_ranks_its_roll_call_did_not_hear(silent, whom, monkeypatch):
+    import re
+
+    import torch
+
+    from common import spawn
+    from common.distributed import Context
+
+    cfg = ddp_config("--dist-timeout", "20", "--nproc-per-node", "4")
+    launch = discover(cfg, {}, gpus_visible=0)
+    asked = []
+    monkeypatch.setattr(spawn, "roll_call", lambda rank, world_size, seconds: asked.append((rank, world_size, seconds))
+                        or silent)
+    ctx = Context(rank=2, local_rank=2, world_size=4, device=torch.device("cpu"))
+    ctx.contact.heard("epoch 3 step 120/5004 done")
+    error = RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation "
+                         "to complete")
+    line = spawn._peer_loss_line(error, True, cfg, launch, ctx)
+    assert asked == [(2, 4, 10.0)]  # the roll call: 10 s, or --dist-timeout if shorter
+    assert re.fullmatch(rf"lost {re.escape(whom)}: no answer within --dist-timeout 20 s \(Timed out waiting 20000ms "
+                        rf"for recv operation to complete\); last heard from it at \d\d:\d\d:\d\d \(epoch 3 step "
+                        rf"120/5004 done\); it stopped or hangs: its output, or its node's, may say why", line), line
+
+
 def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
     assert gpu_of_its_own("torchrun", gpus_visible=4, local_rank=3)
     assert not gpu_of_its_own("torchrun", gpus_visible=4, local_rank=4)  # two would share one
