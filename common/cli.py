@@ -23,7 +23,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 from common import launcher, process_signals
 from common.architectures import available_architectures
-from common.config import DATA_BACKENDS, DDP_COMM_HOOKS, MODES, PREEMPT_SIGNALS, Config
+from common.config import (DATA_BACKENDS, DATA_TIMEOUT_SECONDS, DDP_COMM_HOOKS, MAX_DATA_TIMEOUT_SECONDS, MODES,
+                           PREEMPT_SIGNALS, Config)
 from common.arguments import (Parser, check_batch_fits, check_fits_in_memory, float_in, memory_bytes,
                               non_negative_float, non_negative_int, percent, positive_float, positive_int, seed_int,
                               unit_interval)
@@ -141,6 +142,14 @@ def _add_data_flags(group) -> None:
                             "fail stops the run at once, naming it; skip replaces it with the next readable image "
                             "of the dataset (the same on every process and in every epoch), counts it per epoch "
                             "(metrics.csv, bad_images) and lists it in the run directory's bad_images.csv")
+    group.add_argument("--data-timeout", type=float_in(0.0, MAX_DATA_TIMEOUT_SECONDS, False, False,
+                                                       f"seconds from 0 to {MAX_DATA_TIMEOUT_SECONDS:.0f} (a week)"),
+                       default=DATA_TIMEOUT_SECONDS, metavar="SECONDS",
+                       help="how long a training step or validation waits for its batch: past it the run stops "
+                            "(exit status 5) with one line naming the data-loading worker and the file it is "
+                            "reading (a worker that was stopped, a network file system that stopped answering), "
+                            "after a checkpoint when it trains in one process with --workers 1 or more. 0: wait "
+                            "for ever")
 
 
 def _add_optimisation_flags(group) -> None:

@@ -22,6 +22,12 @@ PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
 # --data-backend's choices: who decodes and transforms images (common.pipelines, common.dali).
 DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
 
+# --data-timeout's default: seconds a step or validation waits for its batch. A cold network file system
+# takes seconds, a busy one a minute or two, for a batch of files; ten minutes is a worker or a file
+# system that stopped answering.
+DATA_TIMEOUT_SECONDS = 600.0
+MAX_DATA_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a week; more would overflow the clocks a wait is timed by (0: for ever)
+
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
@@ -81,6 +87,7 @@ class Config:
     data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)
     compile: bool = False  # torch.compile the model
     accum_steps: int = 1  # micro-batches of batch_size per optimizer step (gradient accumulation)
+    data_timeout: float = DATA_TIMEOUT_SECONDS  # seconds a batch may take to come; 0: wait for ever
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):
     dist_url: Optional[str] = None  # tcp://HOST:PORT of node 0; None: a free local port (one node)
     dist_backend: Optional[str] = None  # None: nccl with GPUs, gloo on the CPU

@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import math
 import random
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import PIL
 import torch
@@ -41,6 +41,7 @@ from common.dataset_lists import FileList, find_lists
 from common.launcher import oversubscription
 from common.process_signals import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
+from common.data_timeout import ReadingSlots, batches
 from common.device_input import EncodedBatch
 from common.image_files import BadImageError
 from common.jpeg_decoders import JpegDecoder, choose_jpeg_decoder
@@ -92,16 +93,21 @@ class ImageFolderDataset(Dataset):
     With `skip_bad_images`, an unreadable file's sample is the next readable
     image after it (cyclically), transformed with the unreadable index's own
     seed and marked with that index: a function of the dataset alone, so every
-    process and epoch makes the same replacement and batches keep their size."""
+    process and epoch makes the same replacement and batches keep their size.
+
+    `workers`: the data-loading workers of its loaders, each of which notes
+    the file it is reading (`reading`: data_timeout.ReadingSlots) for a
+    batch that does not come within --data-timeout to name."""
 
     def __init__(self, samples: Sequence[Tuple[str, int]], pipeline: Callable, augmentation_seed: Optional[int] = None,
-                 skip_bad_images: bool = False):
+                 skip_bad_images: bool = False, workers: int = 0):
         self.samples = samples if isinstance(samples, FileList) else FileList(samples)  # no per-sample objects
         self.pipeline = pipeline
         self.augmentation_seed = augmentation_seed
         self.skip_bad_images = skip_bad_images
         self.known_bad = set()  # indices of unreadable files met by this process or worker (see _next_readable)
         self.epoch = 0  # set by Loaders.set_epoch; data-loading workers get a copy when an epoch's iteration starts
+        self.reading = ReadingSlots(workers)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -110,7 +116,7 @@ class ImageFolderDataset(Dataset):
         path, target = self.samples[index]
         bad_index, bad_reason, large_index = -1, "", -1
         try:
-            image, file_bytes, large_pixels = self._load(index, path)
+            image, file_bytes, large_pixels = self._load(index, path, index)
             large_index = index if large_pixels else -1
         except BadImageError as error:
             if not self.skip_bad_images:
@@ -120,8 +126,8 @@ class ImageFolderDataset(Dataset):
             image, target, file_bytes = self._next_readable(index)
         return Sample(image, target, file_bytes, bad_index, bad_reason, large_index)
 
-    def _load(self, index: int, path: str):
-        """`path` through the pipeline, with the random draws of image `index`."""
+    def _load(self, index: int, path: str, sample: int):
+        """`path` (sample `sample`'s) through the pipeline, with the random draws of image `index`."""
         if self.augmentation_seed is not None:
             # torchvision's random transforms draw from torch's global generator (and user transforms
             # often from Python's): both are reseeded per image. With -j 0 this is the training
@@ -129,7 +135,11 @@ class ImageFolderDataset(Dataset):
             seed = derived_seed(self.augmentation_seed, self.epoch, index)
             torch.default_generator.manual_seed(seed)  # the CPU generator only: no per-image cost on GPUs
             random.seed(seed)
-        return self.pipeline(path)
+        self.reading.started(sample)
+        try:
+            return self.pipeline(path)
+        finally:
+            self.reading.finished()
 
     def _next_readable(self, index: int):
         # Files found unreadable by this process (or worker) are not tried again: a folder of k of
@@ -140,7 +150,7 @@ class ImageFolderDataset(Dataset):
                 continue
             path, target = self.samples[candidate]
             try:
-                image, file_bytes, _ = self._load(index, path)  # the unreadable index's crop and flip
+                image, file_bytes, _ = self._load(index, path, candidate)  # the unreadable index's crop and flip
             except BadImageError:
                 self.known_bad.add(candidate)
                 continue
@@ -336,6 +346,7 @@ class Loaders:
     backend: str = "torchvision"  # --data-backend
     jpeg_decoder: Optional[JpegDecoder] = None  # None: synthetic data
     dali: Optional[DaliDecoder] = None  # --data-backend dali: decodes the JPEGs on the device (DeviceInput)
+    data_timeout: float = 0.0  # --data-timeout: seconds a batch may take; 0: for ever
     notes: List[str] = dataclasses.field(default_factory=list)  # said once before training (session.run)
 
     @property
@@ -351,6 +362,11 @@ class Loaders:
             self.train.dataset.epoch = epoch
         self.train.generator.manual_seed(derived_seed(self.seed, epoch, self.rank))  # worker seeds: unused by ours
         return self.train.sampler.set_epoch(epoch, images_done, limit)
+
+    def batches(self, split: str) -> Iterator:
+        """The batches of `split` (train or val), each within --data-timeout (data_timeout.batches)."""
+        loader = self.train if split == "train" else self.val
+        return batches(loader, self.data_timeout, "training" if split == "train" else "validation", self.rank)
 
     def train_steps(self, limit: int = 0) -> int:
         """Training steps per epoch, at most `limit` when it is set."""
@@ -387,8 +403,9 @@ def build_datasets(cfg: Config, ctx: Context,
     lists = find_lists(cfg.data, cfg.file_list, ctx)
     skip = cfg.bad_images == "skip"
     train = ImageFolderDataset(lists.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
-                               skip_bad_images=skip)
-    val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip)
+                               skip_bad_images=skip, workers=cfg.workers)
+    val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip,
+                             workers=cfg.workers)
     return train, val, lists.classes, lists.notes
 
 
@@ -437,10 +454,13 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     worker_init_fn = data_loader_worker_init if cfg.workers else None
     # ... and leave stop signals from other processes to it, whatever threads libraries start in them.
     worker_context = data_loader_context() if cfg.workers else None
+    # A batch that does not come within --data-timeout raises (Loaders.batches names the worker and its file);
+    # without workers the training process reads, and a thread watches it (common.data_timeout).
+    timeout = cfg.data_timeout if cfg.workers else 0
     train = _Loader(
         train_set, batch_size=batch_size, sampler=train_sampler, num_workers=cfg.workers,
         pin_memory=pin_memory, worker_init_fn=worker_init_fn, multiprocessing_context=worker_context,
-        collate_fn=collate,
+        collate_fn=collate, timeout=timeout,
         # The sampler yields whole batches only: a partial one would skew BatchNorm statistics.
         drop_last=True,
         generator=torch.Generator(),  # reseeded per epoch by Loaders.set_epoch
@@ -448,9 +468,9 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     val = _Loader(
         val_set, batch_size=batch_size, sampler=ShardSampler(len(val_set), ctx.rank, ctx.world_size),
         num_workers=cfg.workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-        multiprocessing_context=worker_context, collate_fn=collate,
+        multiprocessing_context=worker_context, collate_fn=collate, timeout=timeout,
     )
     # Said once by the primary, for the whole node (session.run), instead of torch's lines (_Loader).
     notes = [*notes, *filter(None, [oversubscription(ctx.procs_per_node, cfg.workers)])]
     return Loaders(train=train, val=val, classes=classes, seed=cfg.seed, rank=ctx.rank, backend=cfg.data_backend,
-                   notes=notes, jpeg_decoder=decoder, dali=dali)
+                   notes=notes, jpeg_decoder=decoder, dali=dali, data_timeout=cfg.data_timeout)

@@ -11,6 +11,7 @@ as sums and counts, never as averages of averages.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, List, Optional, TypeVar
 
 import torch
@@ -19,6 +20,23 @@ import torch.distributed as dist
 from common.errors import UsageError
 
 T = TypeVar("T")
+
+
+class LastContact:
+    """When this process last finished a piece of work every process took
+    part in (a training step, a validation pass; joining the group at first),
+    and which: what a process that loses a peer says it last heard from it
+    (common.spawn). Written by the training loop, read only then."""
+
+    def __init__(self, what: str = "the process group joined"):
+        self.heard(what)
+
+    def heard(self, what: str) -> None:
+        self.what, self.seconds = what, time.time()
+
+    def describe(self) -> str:
+        """'at 14:32:07 (epoch 3 step 120/5004 done)', in local time."""
+        return f"at {time.strftime('%H:%M:%S', time.localtime(self.seconds))} ({self.what})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +57,8 @@ class Context:
     # The launcher's own channel for each epoch's metrics (Ray Train's report, which Ray Tune and the
     # dashboard read), called by every process with the same figures; None under other launchers.
     launcher_report: Optional[Callable[[dict], None]] = dataclasses.field(default=None, compare=False, repr=False)
+    # The last work done with every process (its time and what it was), for the line of a process that loses one.
+    contact: LastContact = dataclasses.field(default_factory=LastContact, compare=False, repr=False)
 
     @property
     def is_primary(self) -> bool:

@@ -34,7 +34,9 @@ from common import measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint
 from common.data import BadImages, Loaders, derived_seed
 from common.device_input import DeviceInput
-from common.distributed import Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary
+from common.data_timeout import DataTimeout
+from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
+                                spans_processes)
 from common.errors import one_line
 from common.measure import StepTimer
 from common.meters import ClassReport, EpochMetrics, MetricSums, MetricTotals, SplitTiming
@@ -270,23 +272,31 @@ class Trainer:
         progress = self.log.progress_meter("train", epoch, steps, first_step=step_numbers.start)
         timer = StepTimer(len(step_numbers), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loaders.train.dataset)
-        batches = iter(self._input(loaders.train, loaders.dali))
+        batches = iter(self._input(loaders.batches("train"), loaders.dali))
         profiler = self._profiler(epoch, step_numbers.start)
         lr = None
+
+        def checkpoint_at(step: int, stopping: bool) -> Tuple[Optional[Path], Optional[str]]:
+            self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
+            with timer.paused():
+                partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
+                done = images_done + (step - step_numbers.start) * loaders.global_batch
+                return self.save_mid_epoch(epoch, step, steps, done, partial, stopping)
+
         try:
             for step in step_numbers:
                 with record_function("step:stop control"):
                     decision = self.control.step(epoch * steps + step)
                 if decision.checkpoint or decision.stop:
-                    self.guard.settle()  # never a checkpoint of weights a non-finite loss has touched
-                    with timer.paused():
-                        partial = before.plus(_PartialEpoch.measure(sums, timer, self.ctx, bad_images))
-                        done = images_done + (step - step_numbers.start) * loaders.global_batch
-                        path, failure = self.save_mid_epoch(epoch, step, steps, done, partial, decision.stop)
+                    path, failure = checkpoint_at(step, decision.stop)
                     if decision.stop:
                         raise StopRequested(decision, path, f"epoch {epoch} step {step}/{steps}", failure)
-                with record_function("step:data"):
-                    batch = next(batches)
+                try:
+                    with record_function("step:data"):
+                        batch = next(batches)
+                except DataTimeout as stall:  # between steps: where a checkpoint can be written
+                    raise self.stalled(stall, f"epoch {epoch} step {step}/{steps}",
+                                       lambda: checkpoint_at(step, stopping=True)) from None
                 timer.batch_ready()
                 lr = self._step(batch, batches, epoch, step, steps, loaders.seed, sums, timer, bad_images)
                 if self._should_print(step, steps):  # the one host sync per interval
@@ -332,7 +342,10 @@ class Trainer:
         for index in range(self.accum_steps):
             if index:  # the step's later micro-batches: their wait is data wait too
                 with record_function("step:data"):
-                    batch = timer.waiting(lambda: next(batches))
+                    try:
+                        batch = timer.waiting(lambda: next(batches))
+                    except DataTimeout as stall:  # BatchNorm has seen the earlier ones: no checkpoint here
+                        raise self.stalled(stall, f"epoch {epoch} step {step}/{steps}", None) from None
             micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
         loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
         if self.guard.allows_update(loss, epoch, step, lr):
@@ -351,7 +364,24 @@ class Trainer:
                           f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
             for part in micro:
                 sums.add_files(**part.files)
+        self.ctx.contact.heard(f"epoch {epoch} step {step + 1}/{steps} done")  # every process took part
         return lr
+
+    def stalled(self, stall: DataTimeout, where: str,
+                save: Optional[Callable[[], Tuple[Optional[Path], Optional[str]]]]) -> DataTimeout:
+        """`stall` (a batch that did not come within --data-timeout), saying
+        where (`where`) and what was saved: the checkpoint `save` writes, if
+        this process trains alone and was between steps (`save` given). With
+        peers none is: they wait for this process in a collective, where no
+        checkpoint can be agreed on; it says so and ends (common.fit)."""
+        if spans_processes(self.ctx):
+            saved = "no checkpoint: the other processes wait for this one in a collective"
+        elif save is None:
+            saved = "no checkpoint: the step was part done (--accum-steps)"
+        else:
+            path, failure = save()
+            saved = f"checkpoint saved to {path}" if path is not None else f"its checkpoint not written ({failure})"
+        return DataTimeout(f"stopping at {where}: {stall}; {saved}; once the data reads again, continue with --resume")
 
     def save_mid_epoch(self, epoch: int, step: int, steps: int, images_done: int, partial: "_PartialEpoch",
                        stopping: bool) -> Tuple[Optional[Path], Optional[str]]:
@@ -414,7 +444,7 @@ class Trainer:
         progress = self.log.progress_meter("val", epoch, steps)
         timer = StepTimer(loaders.primary_val_steps(), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loader.dataset)
-        for step, batch in enumerate(self._input(loader, loaders.dali)):
+        for step, batch in enumerate(self._input(loaders.batches("val"), loaders.dali)):
             timer.batch_ready()
             images, target = batch.image, batch.target
             files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
@@ -436,6 +466,7 @@ class Trainer:
         _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
         self._note_large_images("val", epoch, totals, bad_images)
         report = sums.class_report(self.ctx)
+        self.ctx.contact.heard(f"epoch {epoch}'s validation done")
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1)
         return metrics, report

@@ -18,7 +18,10 @@ from typing import Callable, Optional
 FAILED_EXIT_STATUS = 1  # a worker process failed (a bug, a crash, a signal): its traceback says why
 USAGE_EXIT_STATUS = 2  # a mistake the user can fix (UsageError), reported in one line; argparse's status too
 NONFINITE_EXIT_STATUS = 3  # the training loss became NaN or inf (engine.LossGuard); those weights are not saved
-PEER_LOST_EXIT_STATUS = 4  # a worker lost its connection to a peer that failed first (the peer says why)
+PEER_LOST_EXIT_STATUS = 4  # a worker lost a peer: one that failed first (it says why), or stopped answering
+# No batch came within --data-timeout: a data-loading worker (or, with --workers 0, the training process's own
+# read) that stopped, a file system that stopped answering; one line names the worker and the file.
+DATA_TIMEOUT_EXIT_STATUS = 5
 # sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": stopped on a signal after
 # writing a checkpoint, not finished. Running the same command again (with --resume auto) continues.
 STOPPED_EXIT_STATUS = 75
@@ -28,14 +31,14 @@ WRITE_FAILED_EXIT_STATUS = 74
 INTERRUPTED_EXIT_STATUS = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
-class UsageError(Exception):
-    """A mistake the user can fix (a flag, a path, a dataset): reported as one
-    line naming the flag or path, with exit status 2 and no traceback."""
+class ReportedError(Exception):
+    """An ending that is no bug: one line (no traceback) from the process
+    that meets it, and its exit status, `status` (see exit_status)."""
 
-    # Under DDP every process checks the same flags and folders and meets the same error; only the
-    # primary process reports those. A rank-specific error (an unreadable image in one process's
-    # share of the data, a peer it cannot reach) is reported by the process that meets it.
-    rank_specific = False
+    status = FAILED_EXIT_STATUS
+    # A rank-specific error (an unreadable image in one process's share of the data, a peer it cannot
+    # reach, a batch that does not come) is reported by the process that meets it.
+    rank_specific = True
 
     def __init__(self, message: str = ""):
         super().__init__(one_line(without_credentials(message)))
@@ -53,6 +56,16 @@ def without_credentials(text: str) -> str:
     'tcp://alice:s3cret@node0:29500' -> 'tcp://***@node0:29500'. For every
     line that quotes what a user gave (a flag's value, the command line)."""
     return _CREDENTIALS.sub(lambda match: (match.group("scheme") or match.group("start")) + "***@", text)
+
+
+class UsageError(ReportedError):
+    """A mistake the user can fix (a flag, a path, a dataset): reported as one
+    line naming the flag or path, with exit status 2 and no traceback."""
+
+    status = USAGE_EXIT_STATUS
+    # Under DDP every process checks the same flags and folders and meets the same error; only the
+    # primary process reports those.
+    rank_specific = False
 
 
 # Control characters and line separators, as Python writes them in a string literal.
@@ -91,7 +104,7 @@ def program() -> str:
     return os.path.basename(sys.argv[0])
 
 
-def report(error: UsageError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
+def report(error: ReportedError, rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
     """Print `error` as one `prog: error: ...` line, once per node: by this
     process if it runs alone (rank None), if it is the first process of its
     node (local rank 0), or if it alone meets the error (error.rank_specific).
@@ -109,13 +122,14 @@ def exit_status(error: BaseException, rank: Optional[int] = None, local_rank: Op
                 say_interrupted: bool = True) -> int:
     """The one mapping from an exception that ends a process to its exit
     status, used by cli.run and by the workers a script spawns: a
-    UsageError is reported (see report) and gives USAGE_EXIT_STATUS; Ctrl-C
+    ReportedError is reported (see report) and gives its status (a
+    UsageError USAGE_EXIT_STATUS); Ctrl-C
     gives INTERRUPTED_EXIT_STATUS, said once by the process the user started
     (`say_interrupted`; Ctrl-C reaches every process of the terminal).
     Anything else is a bug, whose traceback is the report: re-raised."""
-    if isinstance(error, UsageError):
+    if isinstance(error, ReportedError):
         report(error, rank, local_rank)
-        return USAGE_EXIT_STATUS
+        return error.status
     if isinstance(error, KeyboardInterrupt):
         if say_interrupted:
             print(f"{program()}: interrupted", file=sys.stderr, flush=True)
@@ -124,13 +138,13 @@ def exit_status(error: BaseException, rank: Optional[int] = None, local_rank: Op
 
 
 def run_main(main: Callable[[], object], rank: Optional[int] = None, local_rank: Optional[int] = None) -> None:
-    """Run a command's main(): a UsageError becomes one line on stderr and
-    exit status 2, Ctrl-C exit status 130, neither with a traceback
-    (exit_status). `rank`, `local_rank`: this process's, when a launcher
+    """Run a command's main(): a ReportedError becomes one line on stderr
+    and its exit status (a UsageError 2), Ctrl-C exit status 130, neither
+    with a traceback (exit_status). `rank`, `local_rank`: this process's, when a launcher
     started it as one of several."""
     try:
         main()
-    except (UsageError, KeyboardInterrupt) as error:
+    except (ReportedError, KeyboardInterrupt) as error:
         sys.exit(exit_status(error, rank, local_rank))
     finally:
         skip_final_collection()

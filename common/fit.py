@@ -3,7 +3,9 @@ Trainer), its metrics logged and its checkpoint written; and how a run ends
 other than at its last epoch: a stop signal (a checkpoint, then exit 75), a
 non-finite loss (no checkpoint, exit 3), a checkpoint it cannot end without
 that could not be written (exit 74). Every process takes the same way out at
-the same step, so none is left waiting in a collective.
+the same step, so none is left waiting in a collective. A batch that does
+not come within --data-timeout (exit 5) is met by one process: alone, it
+stops at a checkpoint; with peers, it ends and they lose it (exit 4).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Optional
 from common import measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint
 from common.data import Loaders
-from common.distributed import Context, broadcast_from_primary
+from common.data_timeout import DataTimeout
+from common.distributed import Context, broadcast_from_primary, spans_processes
 from common.engine import NonFiniteLoss, StopRequested, Trainer, saved_or_why
 from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS
 from common.preemption import StopControl, TrainingStopped
@@ -84,6 +87,11 @@ def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
         _stopped(trainer, stop, progress, io_sampler)
     except NonFiniteLoss as problem:
         _diverged(trainer, problem, progress, io_sampler)
+    except DataTimeout:  # its line, and the checkpoint where one could be written: common.engine's Trainer.stalled
+        control.ignore_signals()
+        if not spans_processes(ctx):  # with peers left waiting in a collective, closing the logs would wait too
+            _finish(log, progress.result(), io_sampler, ctx, stopped=True)
+        raise
     except _LastCheckpointFailed as problem:
         control.ignore_signals()
         _end_without_checkpoint(log, progress.result(), io_sampler, ctx, control, trainer.checkpointer,
@@ -99,13 +107,20 @@ def _run_epoch(trainer: Trainer, loaders: Loaders, epoch: int, epochs: int, star
     validation reached `desired_acc`."""
     log, control, checkpointer, ctx = trainer.log, trainer.control, trainer.checkpointer, trainer.ctx
     trained = trainer.train_one_epoch(loaders, epoch, start if epoch == start.start_epoch else None)
+    where = f"the end of epoch {epoch}'s training (step {trained.steps}/{trained.steps})"
+
+    def checkpoint_before_validation():
+        return trainer.save_mid_epoch(epoch, trained.steps, trained.steps, trained.images_done, trained.partial,
+                                      stopping=True)
+
     decision = control.now()
     if decision.stop:  # before validation, which can take minutes: the grace period may be short
-        path, failure = trainer.save_mid_epoch(epoch, trained.steps, trained.steps, trained.images_done,
-                                               trained.partial, stopping=True)
-        raise StopRequested(decision, path, f"the end of epoch {epoch}'s training (step {trained.steps}/"
-                                            f"{trained.steps})", failure)
-    val, report = trainer.validate(loaders, epoch)
+        path, failure = checkpoint_before_validation()
+        raise StopRequested(decision, path, where, failure)
+    try:
+        val, report = trainer.validate(loaders, epoch)
+    except DataTimeout as stall:
+        raise trainer.stalled(stall, f"{where}, in validation", checkpoint_before_validation) from None
     progress.epochs_run += 1
     is_best = checkpointer.validated(val.top1, epoch)
     log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective

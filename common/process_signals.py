@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Optional
 
 
@@ -84,6 +85,34 @@ def _exit_on_sigterm_from_parent() -> None:
         info = signal.sigwaitinfo({signal.SIGTERM})
         if info.si_pid == parent:
             os._exit(0)
+
+
+# The states of /proc/<pid>/stat that explain a process that does not answer its peers or its trainer.
+_STUCK_STATES = {"T": "stopped by a signal, SIGSTOP or SIGTSTP?", "t": "stopped by a debugger",
+                 "D": "waiting in the kernel uninterruptibly, on a file system that stopped answering?",
+                 "Z": "exited", "X": "exited"}
+
+
+def stuck_state(pid: int) -> Optional[str]:
+    """Why process `pid` may not answer, as Linux's /proc says: stopped,
+    waiting uninterruptibly in the kernel, or gone; None while it runs or
+    sleeps as usual (or where /proc cannot say)."""
+    return _STUCK_STATES.get(_state(pid))
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (by a signal or a debugger)."""
+    return _state(pid) in ("T", "t")
+
+
+def _state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat; "X" (dead) for no such process, "" where /proc cannot say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "X"
+    except (OSError, IndexError):
+        return ""
 
 
 def ignore_stop_signals_until_training() -> None:

@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from common import cli, launcher
 from common.arguments import positive_float
 from common.config import Config
-from common.errors import (FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, UsageError, error_summary,
-                           without_credentials)
+from common.errors import (FAILED_EXIT_STATUS, PEER_LOST_EXIT_STATUS, USAGE_EXIT_STATUS, ReportedError, UsageError,
+                           error_summary, report, without_credentials)
 
 RAY_REQUIREMENTS = "requirements-ray.txt"
 REPO = Path(__file__).resolve().parent.parent
@@ -486,6 +486,9 @@ def train_loop(config: dict) -> None:
         script.main(config["argv"])
     except UsageError as error:  # one line, not a traceback, on the driver's console
         raise ScriptUsageError(str(error)) from None
+    except ReportedError as error:  # its line here, and its own status (a batch that did not come: 5)
+        report(error)
+        raise ScriptExit(f"the training script exited with status {error.status}") from None
     except SystemExit as stop:  # a stop the script says itself (a NaN loss: exit 3); Ray sees a failure
         if stop.code == PEER_LOST_EXIT_STATUS:
             raise RuntimeError(LOST_A_PEER) from None

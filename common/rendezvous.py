@@ -2,7 +2,9 @@
 and gets its common.distributed.Context (rank, device, backend). A process
 that cannot meet them says why in one line (RendezvousError): what c10d
 writes to stderr meanwhile (every failed attempt, with a C++ stack) is held
-back, and the lines of it that say why are quoted.
+back, and the lines of it that say why are quoted. And, when a collective
+timed out, the roll call over the group's store that tells which ranks
+stopped answering (roll_call).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import os
 import re
 import sys
 import tempfile
+import time
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -150,3 +154,36 @@ def _join(cfg: Config, launch: Launch, rank: int, backend: str, timeout: datetim
         except Exception as error:  # DistNetworkError, DistStoreError, TimeoutError, RuntimeError: all one story
             raise RendezvousError(_join_failure(cfg, launch, error, held())) from None
         replay()
+
+
+# The roll call after a collective timed out: how long the processes that timed out wait for each other's
+# answer. They entered the collective within a step of each other, so they time out as close together.
+ROLL_CALL_SECONDS = 10.0
+_ROLL_CALL_KEY = "imagenet-reference/roll-call"
+
+
+def roll_call_seconds(dist_timeout: float) -> float:
+    return min(dist_timeout, ROLL_CALL_SECONDS)
+
+
+def roll_call(rank: int, world_size: int, seconds: float, store=None) -> Optional[List[int]]:
+    """After a collective timed out: the ranks that do not answer a roll
+    call over the group's store within `seconds` (every process that timed
+    out answers, then waits for the others; the ones that stopped answering
+    never do). None when the store does not answer either: its host (rank 0
+    unless torchrun's agent holds it) is the one stopped or gone. `store`:
+    the default process group's unless given."""
+    try:
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=seconds))
+        store.set(f"{_ROLL_CALL_KEY}/{rank}", "here")
+        counter = f"{_ROLL_CALL_KEY}/count"
+        answered = store.add(counter, 1)  # the store replies: a stopped one times out here
+        deadline = time.monotonic() + seconds
+        while answered < world_size and time.monotonic() < deadline:  # one counter polled; each key read once
+            time.sleep(min(0.5, seconds / 10))
+            answered = store.add(counter, 0)
+        return [other for other in range(world_size) if not store.check([f"{_ROLL_CALL_KEY}/{other}"])]
+    except Exception:  # DistStoreError, a timeout, no store kept there: it cannot tell
+        return None

@@ -11,10 +11,11 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import signal
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,13 @@ import torch.distributed as dist
 from common import lazy
 from common.config import Config
 from common.distributed import Context
-from common.errors import (FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS, NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS,
-                           STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, UsageError, error_summary,
-                           exit_status, program, skip_final_collection, without_credentials)
+from common.errors import (DATA_TIMEOUT_EXIT_STATUS, FAILED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS,
+                           NONFINITE_EXIT_STATUS, PEER_LOST_EXIT_STATUS, STOPPED_EXIT_STATUS, USAGE_EXIT_STATUS,
+                           WRITE_FAILED_EXIT_STATUS, ReportedError, error_summary, exit_status, program,
+                           skip_final_collection, without_credentials)
 from common.launcher import Launch, check_before_start, discover, ray_train_context
-from common.process_signals import die_with_parent, ignore_stop_signals_until_training
-from common.rendezvous import join_process_group
+from common.process_signals import die_with_parent, ignore_stop_signals_until_training, stuck_state
+from common.rendezvous import join_process_group, roll_call, roll_call_seconds
 
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
@@ -36,33 +38,64 @@ WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKIL
 # What a collective raises when a peer process has gone (gloo, NCCL): the peer's own output says why.
 _PEER_LOSS_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                        "NCCL communicator was aborted", "remote process exited or there was a network error")
+# ... and when a peer did not answer within --dist-timeout (gloo's collectives, c10d's store): it stopped or hangs.
+_PEER_TIMEOUT_MESSAGES = ("Timed out waiting", "Socket Timeout", "wait timeout after")
 
 
 def _lost_a_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_LOSS_MESSAGES)
 
 
+def _peer_timed_out(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _PEER_TIMEOUT_MESSAGES)
+
+
 def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int,
                 spawned: bool = False) -> None:
-    """Join the process group, train, leave. A collective broken by a peer
-    that failed is one line (under a launcher: its log is the place to look)
-    or, in a worker this script spawned, a quiet exit for the spawner to
-    report: not a second traceback beside the one that matters."""
+    """Join the process group, train, leave. A peer that stopped answering
+    (a collective timed out) is one line: which rank, and when this process
+    last heard from it. One that failed is one line too (under a launcher:
+    its log is the place to look) or, in a worker this script spawned, a
+    quiet exit for the spawner to report: not a second traceback beside the
+    one that matters."""
     rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
     ctx = join_process_group(cfg, launch, rank, local_rank)
     try:
         train(cfg, ctx)
     except RuntimeError as error:
-        if not _lost_a_peer(error):
+        timed_out = _peer_timed_out(error)
+        if not timed_out and not _lost_a_peer(error):
             raise
-        if not spawned:
-            print(f"{program()}: error: rank {rank}: lost the connection to another process "
-                  f"({error_summary(error)}); it failed or was stopped: its output says why", file=sys.stderr,
-                  flush=True)
+        if timed_out or not spawned:
+            print(f"{program()}: error: rank {rank}: {_peer_loss_line(error, timed_out, cfg, launch, ctx)}",
+                  file=sys.stderr, flush=True)
         sys.exit(PEER_LOST_EXIT_STATUS)
     finally:
         if launch.launcher != "ray":  # Ray Train leaves the group it joined
             dist.destroy_process_group()
+
+
+def _peer_loss_line(error: BaseException, timed_out: bool, cfg: Config, launch: Launch, ctx: Context) -> str:
+    """What a process that lost a peer says: which rank (of two, the other;
+    of more, those that do not answer a roll call, after a timeout), what
+    the collective raised, and when it last heard from it."""
+    said = re.sub(r"^\[[^\]]*\]\s*", "", error_summary(error))  # without gloo's source file and line
+    heard = f"last heard from it {ctx.contact.describe()}"
+    if not timed_out:
+        whom = f"rank {1 - ctx.rank}" if ctx.world_size == 2 else "another process"
+        return f"lost the connection to {whom} ({said}); it failed or was stopped: its output says why; {heard}"
+    if ctx.world_size == 2:
+        whom = f"rank {1 - ctx.rank}"
+    else:
+        silent = roll_call(ctx.rank, ctx.world_size, roll_call_seconds(cfg.dist_timeout))
+        if silent is None:
+            whom = ("rank 0, whose rendezvous store does not answer either" if launch.agent_store is None
+                    else "another process; the rendezvous store does not answer either")
+        else:
+            ranks = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))}"
+            whom = ranks if silent else "a process that answered again later"
+    return (f"lost {whom}: no answer within --dist-timeout {cfg.dist_timeout:g} s ({said}); {heard}; it stopped "
+            f"or hangs: its output, or its node's, may say why")
 
 
 def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None:
@@ -83,7 +116,7 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
         # which a stop signal is an interruption too (a quiet exit, not a traceback from inside an import).
         lazy.import_now()
         _run_worker(train, cfg, launch, local_rank, spawned=True)
-    except (UsageError, KeyboardInterrupt) as error:
+    except (ReportedError, KeyboardInterrupt) as error:
         # Ctrl-C reaches every process of the terminal: the spawner says it, not each worker.
         sys.exit(exit_status(error, launch.rank_of(local_rank), local_rank, say_interrupted=False))
     finally:
@@ -143,7 +176,9 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
     try:
         for worker in workers:
             worker.start()
-        _watch(workers, signals_received)
+        # After a peer timed out, the others of more than two run a roll call before they exit (common.rendezvous).
+        _watch(workers, signals_received, roll_call_seconds(cfg.dist_timeout) if launch.world_size > 2 else 0.0,
+               cfg.dist_timeout)
     except KeyboardInterrupt:
         _stop(workers)
         raise
@@ -152,11 +187,11 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
             signal.signal(signum, handler)
 
 
-def _watch(workers, signals_received=()) -> None:
+def _watch(workers, signals_received=(), roll_call_seconds: float = 0.0, dist_timeout: Optional[float] = None) -> None:
     """Wait until every worker has exited with status 0 (or all stopped
     cleanly on a signal: then exit with STOPPED_EXIT_STATUS), or report the
-    first failure (which stops the others and exits). `signals_received`:
-    the stop signals passed on to the workers so far."""
+    first failure (which stops the others and exits; see _report_failure).
+    `signals_received`: the stop signals passed on to the workers so far."""
     running = list(workers)
     stopped = False
     while running:
@@ -167,7 +202,7 @@ def _watch(workers, signals_received=()) -> None:
         stopped = stopped or any(code == STOPPED_EXIT_STATUS for _, code in exit_codes)
         running = [worker for worker, code in exit_codes if code is None]
         if _failures(exit_codes):
-            _report_failure(workers, running, signals_received)
+            _report_failure(workers, running, signals_received, roll_call_seconds, dist_timeout)
     if stopped:
         sys.exit(STOPPED_EXIT_STATUS)
 
@@ -184,15 +219,45 @@ def _first_cause(failed):
     return min(failed, key=lambda pair: (pair[1] >= 0, pair[1] == PEER_LOST_EXIT_STATUS))[0]
 
 
-def _report_failure(workers, running, signals_received=()) -> None:
+def _wait_for_exits(workers, seconds: float) -> None:
+    """Wait until every one of `workers` has exited, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while workers and time.monotonic() < deadline:
+        ended = multiprocessing.connection.wait([worker.sentinel for worker in workers], deadline - time.monotonic())
+        for worker in workers:
+            if worker.sentinel in ended:
+                worker.join()  # it is gone; reaped now (its pipe closes a moment before), its exit code known
+        workers = [worker for worker in workers if worker.exitcode is None]
+
+
+def _report_failure(workers, running, signals_received, roll_call_seconds: float,
+                    dist_timeout: Optional[float]) -> None:
+    """Name the worker that failed first, stop the others, exit. When the
+    failures only lost a peer, a worker that is still running after their
+    grace (and roll call) is the one that stopped answering: named, with
+    what /proc says of it, and killed (its peers are gone: no clean stop is
+    left to it); the exit status is then PEER_LOST_EXIT_STATUS."""
     if running:  # a moment for the others to exit on their own (they often fail on the broken connection)
-        multiprocessing.connection.wait([worker.sentinel for worker in running], timeout=WORKER_STOP_GRACE_SECONDS)
+        peer_lost = _first_cause(_failures([(worker, worker.exitcode) for worker in workers])).exitcode == \
+            PEER_LOST_EXIT_STATUS
+        _wait_for_exits(running, WORKER_STOP_GRACE_SECONDS + (roll_call_seconds if peer_lost else 0))
     ended = [(worker, worker.exitcode) for worker in workers]
     failed = _first_cause(_failures(ended))
-    _stop([worker for worker, code in ended if code is None])
+    silent = [worker for worker, code in ended if code is None]
     code = failed.exitcode
-    # A UsageError, a NaN loss, a checkpoint the run could not write: the worker has said it.
-    if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS):
+    if code == PEER_LOST_EXIT_STATUS and silent:
+        for worker in silent:
+            state = stuck_state(worker.pid)
+            state, after = f" (its state: {state})" if state else "", f" {dist_timeout:g} s" if dist_timeout else ""
+            print(f"{program()}: error: worker {worker.name} stopped answering{state}: its peers gave up on it after "
+                  f"--dist-timeout{after}; killed it and stopped the other workers of this node",
+                  file=sys.stderr, flush=True)
+            worker.kill()
+        _stop(workers)
+        sys.exit(PEER_LOST_EXIT_STATUS)
+    _stop(silent)
+    # A UsageError, a NaN loss, a checkpoint the run could not write, a batch that did not come: the worker said it.
+    if code in (USAGE_EXIT_STATUS, NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS, DATA_TIMEOUT_EXIT_STATUS):
         sys.exit(code)
     # A worker still starting when a stop signal was passed on ends by it (or as on Ctrl-C, once its handler
     # is in place): the job was stopped, as asked, before training could save anything; no worker failed.
@@ -205,7 +270,7 @@ def _report_failure(workers, running, signals_received=()) -> None:
         how += " (by the kernel's out-of-memory killer, if nobody sent it)"
     print(f"{program()}: error: worker {failed.name} {how}; stopped the other workers of this node",
           file=sys.stderr, flush=True)
-    sys.exit(FAILED_EXIT_STATUS)
+    sys.exit(PEER_LOST_EXIT_STATUS if code == PEER_LOST_EXIT_STATUS else FAILED_EXIT_STATUS)
 
 
 def start(train: Callable[[Config, Context], None], cfg: Config) -> None:

@@ -421,6 +421,52 @@ def test_a_crashed_worker_stops_the_others():
     assert re.search(r"error: worker rank\d was killed by SIGKILL .*; stopped the other workers", output)
 
 
+def spawned_workers(launcher: int) -> list:
+    """The training processes `python imagenet_ddp.py` spawned, in rank order: spawn starts rank 0 first, and
+    Linux hands out pids in increasing order."""
+    return sorted(pid for pid in process_tree(launcher) if parent_of(pid) == launcher
+                  and "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text())
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+# --dist-timeout of the run below: far above any wait of its healthy collectives on a loaded 2-core machine.
+DIST_TIMEOUT = 10
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process tree from /proc")
+def test_a_stopped_worker_is_named_by_its_peer_and_by_the_launcher_which_exit_with_status_4(tmp_path):
+    job = start([sys.executable, REPO / "imagenet_ddp.py", "--synthetic", *MODEL, "-b", "4", "-j", "0",
+                 "--nproc-per-node", "2", "--epochs", "1", "--steps-per-epoch", "100000", "--dist-timeout",
+                 DIST_TIMEOUT, "--checkpoint-every", "0", "--io-interval", "0", "--logdir", tmp_path / "runs"])
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if re.match(r"train epoch 0 \[ *3/", line):  # training: every collective of the start is behind
+            break
+    tree = process_tree(job.pid)
+    rank0, rank1 = spawned_workers(job.pid)
+    os.kill(rank1, signal.SIGSTOP)
+    left = wait_until_gone(job, tree, DIST_TIMEOUT + GONE_AFTER_A_STOP_SECONDS)
+    lines += job.stdout.readlines()
+    output = "".join(lines)
+    assert left == [] and job.returncode == 4 and "Traceback" not in output, output
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 2, output
+    # Rank 0 heard from rank 1 last at the end of the last step it completed: the last one it printed.
+    last_step = int(re.findall(r"^train epoch 0 \[ *(\d+)/100000\]", output, re.MULTILINE)[-1])
+    assert re.fullmatch(rf"imagenet_ddp\.py: error: rank 0: lost rank 1: no answer within --dist-timeout "
+                        rf"{DIST_TIMEOUT} s \(Timed out waiting {DIST_TIMEOUT * 1000}ms for \w+ operation to "
+                        rf"complete\); last heard from it at \d\d:\d\d:\d\d \(epoch 0 step {last_step}/100000 "
+                        rf"done\); it stopped or hangs: its output, or its node's, may say why\n", errors[0]), output
+    assert errors[1] == (f"imagenet_ddp.py: error: worker rank1 stopped answering (its state: stopped by a signal, "
+                         f"SIGSTOP or SIGTSTP?): its peers gave up on it after --dist-timeout {DIST_TIMEOUT} s; "
+                         f"killed it and stopped the other workers of this node\n"), output
+
+
 # --- nn.DataParallel ---
 
 def _record_how_data_loading_workers_start(cfg, ctx):

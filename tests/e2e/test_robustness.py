@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -393,6 +394,62 @@ def test_the_loss_guard_in_one_process():
 
 
 # --- memory and room ---
+
+# --data-timeout in the runs below: far above what a batch of 4 tiny images takes on a loaded 2-core machine
+# (well under a second), so only the file that never reads meets it.
+DATA_TIMEOUT = 10
+
+
+def _a_file_that_never_reads(root: Path, split: str) -> tuple:
+    """`root`'s first image of `split` in the order the run reads it (-b 4, seed 0, one process), made a
+    FIFO that nobody writes to: opening it waits as a read on a file system that stopped answering does.
+    The scan leaves FIFOs out, so the run gets the tree from a --file-list. Returns (FIFO, the list)."""
+    lists = dataset_lists.scan_dataset(root)
+    samples = lists.train if split == "train" else lists.val
+    order = list(data.TrainSampler(len(samples), 0, 1, 4, 0)) if split == "train" else range(len(samples))
+    # Training: the first image of step 2, so two steps are done before it; validation: its first image.
+    fifo = Path(samples[order[8] if split == "train" else order[0]][0])
+    list_path = root.parent / "files.txt"
+    with open(list_path, "wb") as handle:
+        dataset_lists.write_text_list(handle, lists)
+    fifo.unlink()
+    os.mkfifo(fifo)
+    return fifo, list_path
+
+
+@pytest.mark.slow  # a run waits out --data-timeout (10 s): CI runs it (make test-all)
+@pytest.mark.parametrize("split, workers, where, images_done", [
+    pytest.param("train", 1, "epoch 0 step 2/6", 8, id="training"),
+    pytest.param("val", 1, "the end of epoch 0's training (step 6/6), in validation", 24, id="validation"),
+    pytest.param("train", 0, None, None, id="workers-0"),
+])
+def test_a_file_that_never_reads_stops_the_run_naming_it_after_a_checkpoint_where_one_can_be_written(
+        tiny_data, tmp_path, split, workers, where, images_done):
+    fifo, list_path = _a_file_that_never_reads(tiny_data, split)
+    result = run_script(["imagenet_nd.py", tiny_data, *FAST_ARGS, "-j", workers, "--epochs", "2", "--file-list",
+                         list_path, "--data-timeout", DATA_TIMEOUT, "--checkpoint-every", "0", "--logdir",
+                         tmp_path / "runs", "--run-name", "R"], timeout=300)
+    assert result.returncode == 5, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    run_dir = tmp_path / "runs" / "R"
+    name = "training" if split == "train" else "validation"
+    if workers:
+        checkpoint = run_dir / f"checkpoint-epoch000-images{images_done:08d}.pth.tar"
+        match = re.fullmatch(rf"imagenet_nd\.py: error: stopping at {re.escape(where)}: no {name} batch within "
+                             rf"--data-timeout {DATA_TIMEOUT} s: data-loading worker 0 \(pid \d+\) has been reading "
+                             rf"(.+) for (\d+) s; checkpoint saved to {re.escape(str(checkpoint))}; once the data reads "
+                             rf"again, continue with --resume", lines[0])
+        state = load(str(checkpoint))
+        assert (state["epoch"], state["step"], state["images_done"]) == (0, images_done // 4, images_done)
+    else:  # the training process itself waits in the read: it says so and ends, with no checkpoint
+        match = re.fullmatch(rf"imagenet_nd\.py: error: no {name} batch within --data-timeout {DATA_TIMEOUT} s: the "
+                             rf"training process itself \(--workers 0\) has been reading (.+) for (\d+) s; the read "
+                             rf"holds it, so it ends without a checkpoint \(--resume continues from the newest; with "
+                             rf"--workers 1 or more, a stall stops at a checkpoint\)", lines[0])
+        assert kept_checkpoints(run_dir) == [] and not (run_dir / CHECKPOINT_NAME).exists()
+    assert match and match.group(1) == str(fifo) and int(match.group(2)) >= DATA_TIMEOUT, lines[0]
+
 
 @pytest.mark.slow  # two or more training runs: CI runs it (make test-all)
 def test_resident_memory_does_not_grow_across_epochs(tiny_data, tmp_path):

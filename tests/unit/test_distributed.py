@@ -196,6 +196,115 @@ def test_the_worker_named_for_a_failure_is_the_cause_not_a_peer_that_lost_it():
     assert _first_cause([(lost, PEER_LOST_EXIT_STATUS)]) == lost  # the cause is on another node
 
 
+@pytest.mark.parametrize("codes, status, line", [
+    ((5, 4), 5, None),  # a batch that did not come (--data-timeout): the worker said it; its peer only lost it
+    ((4,), 4, "error: worker rank0 lost its connection to another process (one on another node failed or was "
+              "stopped?); stopped the other workers of this node"),
+])
+def test_the_launcher_keeps_a_data_timeout_and_a_lost_peer_as_their_own_statuses(codes, status, line, capsys):
+    from common import spawn
+
+    with pytest.raises(SystemExit) as stopped:
+        spawn._watch([_EndedWorker(f"rank{rank}", code) for rank, code in enumerate(codes)])
+    assert stopped.value.code == status
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == ([] if line is None else [f"{spawn.program()}: {line}"])
+
+
+def _exit_losing_a_peer():
+    import sys
+
+    from common.errors import PEER_LOST_EXIT_STATUS
+
+    sys.exit(PEER_LOST_EXIT_STATUS)
+
+
+def _stop_itself():
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_the_launcher_names_the_worker_that_stopped_answering_not_the_peer_that_gave_up_on_it(monkeypatch, capsys):
+    import multiprocessing
+    import time
+
+    from common import spawn
+    from common.process_signals import is_stopped
+
+    monkeypatch.setattr(spawn, "WORKER_STOP_GRACE_SECONDS", 0.2)  # the stopped one never exits: no need to wait
+    fork = multiprocessing.get_context("fork")
+    stopped = fork.Process(target=_stop_itself, name="rank1")
+    stopped.start()
+    deadline = time.monotonic() + 60
+    while not is_stopped(stopped.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    peer = fork.Process(target=_exit_losing_a_peer, name="rank0")
+    peer.start()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            spawn._watch([peer, stopped], roll_call_seconds=0.0, dist_timeout=7.0)
+    finally:
+        stopped.kill()
+        stopped.join()
+    assert ended.value.code == 4 and stopped.exitcode == -9  # killed: its peers are gone
+    assert capsys.readouterr().err.splitlines() == [
+        f"{spawn.program()}: error: worker rank1 stopped answering (its state: stopped by a signal, SIGSTOP or "
+        f"SIGTSTP?): its peers gave up on it after --dist-timeout 7 s; killed it and stopped the other workers of "
+        f"this node"]
+
+
+def test_a_roll_call_names_the_ranks_that_do_not_answer_and_none_when_the_store_does_not():
+    import datetime
+
+    import torch.distributed as dist
+
+    from common.rendezvous import roll_call
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    # Ranks 2 and 0 timed out, in that order; rank 1 stopped. Each names the ranks not in by the end of its call.
+    assert roll_call(2, 3, 0.1, store=store) == [0, 1]
+    assert roll_call(0, 3, 0.1, store=store) == [1]
+    assert roll_call(1, 3, 600, store=store) == []  # the last to answer: at once, all are in
+
+    class Unanswered:
+        def set_timeout(self, timeout):
+            pass
+
+        def set(self, key, value):
+            raise dist.DistStoreError("Socket Timeout")
+
+    assert roll_call(1, 3, 0.1, store=Unanswered()) is None
+
+
+@pytest.mark.parametrize("silent, whom", [([1, 3], "ranks 1, 3"), ([0], "rank 0"),
+                                           (None, "rank 0, whose rendezvous store does not answer either")])
+def test_of_more_than_two_a_process_names_the_ranks_its_roll_call_did_not_hear(silent, whom, monkeypatch):
+    import re
+
+    import torch
+
+    from common import spawn
+    from common.distributed import Context
+
+    cfg = ddp_config("--dist-timeout", "20", "--nproc-per-node", "4")
+    launch = discover(cfg, {}, gpus_visible=0)
+    asked = []
+    monkeypatch.setattr(spawn, "roll_call", lambda rank, world_size, seconds: asked.append((rank, world_size, seconds))
+                        or silent)
+    ctx = Context(rank=2, local_rank=2, world_size=4, device=torch.device("cpu"))
+    ctx.contact.heard("epoch 3 step 120/5004 done")
+    error = RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation "
+                         "to complete")
+    line = spawn._peer_loss_line(error, True, cfg, launch, ctx)
+    assert asked == [(2, 4, 10.0)]  # the roll call: 10 s, or --dist-timeout if shorter
+    assert re.fullmatch(rf"lost {re.escape(whom)}: no answer within --dist-timeout 20 s \(Timed out waiting 20000ms "
+                        rf"for recv operation to complete\); last heard from it at \d\d:\d\d:\d\d \(epoch 3 step "
+                        rf"120/5004 done\); it stopped or hangs: its output, or its node's, may say why", line), line
+
+
 def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
     assert gpu_of_its_own("torchrun", gpus_visible=4, local_rank=3)
     assert not gpu_of_its_own("torchrun", gpus_visible=4, local_rank=4)  # two would share one

@@ -100,6 +100,9 @@ class SlowLoaders:
     def train_steps(self, limit: int = 0) -> int:
         return self.steps
 
+    def batches(self, split: str):
+        return self.train
+
     def set_epoch(self, epoch: int, images_done: int = 0, limit: int = 0) -> range:
         return range(self.steps)
 
