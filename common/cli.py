@@ -486,9 +486,11 @@ def _check_output_paths(ns: argparse.Namespace) -> None:
     if ns.resume is not None and ns.resume != "auto":
         resume = Path(ns.resume)
         if _is(resume, Path.is_dir, "--resume"):
-            raise UsageError(f"argument --resume: {resume} is a directory, not a checkpoint file; give a file in it "
-                             f"(its newest: {resume / 'checkpoint.pth.tar'}), or --resume auto --logdir "
-                             f"{resume.parent} --run-name {resume.name} to continue the run there")
+            newest = resume / "checkpoint.pth.tar"  # what a run directory's newest checkpoint is called
+            give = (f"give a file in it (its newest: {newest})" if _is(newest, Path.is_file, "--resume") else
+                    f"give a checkpoint file (it holds no {newest.name}, a run directory's newest)")
+            raise UsageError(f"argument --resume: {resume} is a directory, not a checkpoint file; {give}, or --resume "
+                             f"auto --logdir {resume.parent} --run-name {resume.name} to continue the run there")
         if not _is(resume, Path.is_file, "--resume"):
             raise UsageError(f"argument --resume: no such checkpoint file: {resume}")
         if not os.access(resume, os.R_OK):

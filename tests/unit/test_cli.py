@@ -54,10 +54,14 @@ def test_values_that_would_fail_or_grow_without_bound_later_are_refused_now(flag
 def test_a_directory_given_to_resume_is_called_one_and_the_ways_to_continue_are_named(data, tmp_path):
     run_dir = tmp_path / "runs" / "my_run"
     run_dir.mkdir(parents=True)
+    continue_there = rf", or --resume auto --logdir {tmp_path / 'runs'} --run-name my_run to continue the run there$"
     with pytest.raises(UsageError, match=rf"^argument --resume: {run_dir} is a directory, not a checkpoint file; give "
-                                         rf"a file in it \(its newest: {run_dir}/checkpoint.pth.tar\), or --resume "
-                                         rf"auto --logdir {tmp_path / 'runs'} --run-name my_run to continue the run "
-                                         rf"there$"):
+                                         rf"a checkpoint file \(it holds no checkpoint.pth.tar, a run directory's "
+                                         rf"newest\){continue_there}"):
+        cli.parse("nd", [data, "--resume", str(run_dir)])
+    (run_dir / "checkpoint.pth.tar").write_bytes(b"")
+    with pytest.raises(UsageError, match=rf"^argument --resume: {run_dir} is a directory, not a checkpoint file; give "
+                                         rf"a file in it \(its newest: {run_dir}/checkpoint.pth.tar\){continue_there}"):
         cli.parse("nd", [data, "--resume", str(run_dir)])
 
 
