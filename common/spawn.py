@@ -39,7 +39,9 @@ WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKIL
 _PEER_LOSS_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                        "NCCL communicator was aborted", "remote process exited or there was a network error")
 # ... and when a peer did not answer within --dist-timeout (gloo's collectives, c10d's store): it stopped or hangs.
-_PEER_TIMEOUT_MESSAGES = ("Timed out waiting", "Socket Timeout", "wait timeout after")
+# gloo says the second when the time ran out in a collective DDP started during backward (its pair is closed).
+_PEER_TIMEOUT_MESSAGES = ("Timed out waiting", "Application timeout caused pair closure", "Socket Timeout",
+                          "wait timeout after")
 
 
 def _lost_a_peer(error: BaseException) -> bool:

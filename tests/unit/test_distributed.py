@@ -305,6 +305,22 @@ def test_of_more_than_two_a_process_names_the_ranks_its_roll_call_did_not_hear(s
                         rf"120/5004 done\); it stopped or hangs: its output, or its node's, may say why", line), line
 
 
+@pytest.mark.parametrize("message, timed_out, lost", [
+    ("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete", True,
+     False),
+    # A collective DDP started during backward, whose time ran out: gloo closes the pair (seen in CI).
+    ("Application timeout caused pair closure", True, False),
+    ("[/src/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:30001", False, True),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False, False),
+])
+def test_what_gloo_raises_when_a_peer_is_gone_or_silent_is_told_apart_from_other_errors(message, timed_out, lost):
+    from common import spawn
+
+    assert (spawn._peer_timed_out(RuntimeError(message)), spawn._lost_a_peer(RuntimeError(message))) == \
+        (timed_out, lost)
+    assert not spawn._peer_timed_out(ValueError(message))  # only what a collective raises
+
+
 def test_each_process_needs_a_gpu_of_its_own_which_slurm_may_bind_as_device_0():
     assert gpu_of_its_own("torchrun", gpus_visible=4, local_rank=3)
     assert not gpu_of_its_own("torchrun", gpus_visible=4, local_rank=4)  # two would share one
