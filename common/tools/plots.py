@@ -401,11 +401,13 @@ def _finish(fig, ax, runs: Sequence[Run], legend_loc: str = "best"):
     return fig
 
 
-def _count_figure(table: pd.DataFrame, column: str, log_y: bool):
-    """For a figure of `column` against the GPU count: None when no row has
-    it; otherwise the figure, its axes (x log2, ticked at the counts present)
-    and, per hardware series, (colour, series, its rows, legend note on
-    averaged runs)."""
+def _count_figure(table: pd.DataFrame, runs: Sequence[Run], column: str, draw_series, log_y: bool,
+                  legend_loc: str = "best", reference_line: Optional[Tuple[float, str]] = None, **axes):
+    """A figure of `column` against the GPU count (x log2, ticked at the
+    counts present): `draw_series(ax, colour, series, rows, note)` draws
+    each hardware series' rows (`note`: the legend's word on averaged runs),
+    then a dashed horizontal `reference_line` (y, label) if given, and `axes`
+    go to ax.set. None when no row has the column."""
     table = table.dropna(subset=[column])
     if table.empty:
         return None
@@ -419,11 +421,13 @@ def _count_figure(table: pd.DataFrame, column: str, log_y: bool):
     if log_y:  # plain numbers (1,024, not 2^10) on the log axis
         ax.set_yscale("log", base=2)
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:.3g}"))
-    series = []
-    for index, (name, rows) in enumerate(table.groupby("series", sort=True)):
+    for index, (series, rows) in enumerate(table.groupby("series", sort=True)):
         note = "" if (rows["runs"] == 1).all() else " (mean of " + "/".join(map(str, rows["runs"])) + " runs)"
-        series.append((f"C{index}", name, rows, note))
-    return fig, ax, series
+        draw_series(ax, f"C{index}", series, rows, note)
+    if reference_line is not None:
+        ax.axhline(reference_line[0], color="0.5", linestyle="--", linewidth=1, label=reference_line[1])
+    ax.set(**axes)
+    return _finish(fig, ax, runs, legend_loc=legend_loc)
 
 
 def accuracy_figure(runs: Sequence[Run], column: str, ylabel: str, smooth: float = 0.0):
@@ -447,26 +451,19 @@ def accuracy_figure(runs: Sequence[Run], column: str, ylabel: str, smooth: float
 
 def throughput_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Mean global training images/s vs GPU count, with the ideal linear line from the smallest count."""
-    drawn = _count_figure(table, "images_per_second", log_y=True)
-    if drawn is None:
-        return None
-    fig, ax, per_series = drawn
-    for colour, series, rows, note in per_series:
+    def draw(ax, colour, series, rows, note):
         ax.plot(rows["gpus"], rows["images_per_second"], "o-", color=colour, label=series + note)
         first = rows.iloc[0]
         ax.plot(rows["gpus"], first["images_per_second"] * rows["gpus"] / first["gpus"], "--", color=colour,
                 alpha=0.5, label=f"{series}: ideal linear from {count_label(first['gpus'], first['device_kind'])}")
-    ax.set(ylabel="training throughput (images/s, global)", title="Mean training throughput per epoch")
-    return _finish(fig, ax, runs, legend_loc="upper left")
+
+    return _count_figure(table, runs, "images_per_second", draw, log_y=True, legend_loc="upper left",
+                         ylabel="training throughput (images/s, global)", title="Mean training throughput per epoch")
 
 
 def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Scaling efficiency (%) vs GPU count, baseline: the smallest count of each series."""
-    drawn = _count_figure(table, "scaling_efficiency_percent", log_y=False)
-    if drawn is None:
-        return None
-    fig, ax, per_series = drawn
-    for colour, series, rows, note in per_series:
+    def draw(ax, colour, series, rows, note):
         first = rows.iloc[0]
         ax.plot(rows["gpus"], rows["scaling_efficiency_percent"], "o-", color=colour,
                 label=f"{series} (baseline {count_label(first['gpus'], first['device_kind'])}: "
@@ -474,28 +471,25 @@ def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
         for gpus, percent in zip(rows["gpus"], rows["scaling_efficiency_percent"]):
             ax.annotate(f"{percent:.0f}%", (gpus, percent), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=8)
-    ax.axhline(100, color="0.5", linestyle="--", linewidth=1, label="100% (linear scaling)")
-    ax.set(ylabel="scaling efficiency (%)", ylim=(0, max(115, table["scaling_efficiency_percent"].max() + 15)),
-           title="Scaling efficiency: per-GPU images/s relative to the smallest count")
-    return _finish(fig, ax, runs, legend_loc="lower left")
+
+    return _count_figure(table, runs, "scaling_efficiency_percent", draw, log_y=False, legend_loc="lower left",
+                         reference_line=(100, "100% (linear scaling)"), ylabel="scaling efficiency (%)",
+                         ylim=(0, max(115, table["scaling_efficiency_percent"].max() + 15)),
+                         title="Scaling efficiency: per-GPU images/s relative to the smallest count")
 
 
 def training_time_figure(table: pd.DataFrame, runs: Sequence[Run]):
     """Training time (h) vs GPU count; the legend gives each series' usual
     epoch count, and a point that ran another number of epochs says so."""
-    drawn = _count_figure(table, "training_seconds", log_y=True)
-    if drawn is None:
-        return None
-    fig, ax, per_series = drawn
-    for colour, series, rows, note in per_series:
+    def draw(ax, colour, series, rows, note):
         hours, usual = rows["training_seconds"] / 3600, rows["epochs"].mode().iloc[0]
         ax.plot(rows["gpus"], hours, "o-", color=colour, label=f"{series}, {usual} epochs{note}")
         for gpus, value, epochs in zip(rows["gpus"], hours, rows["epochs"]):
             ax.annotate(f"{value:.3g} h" + (f"\n({epochs} epochs)" if epochs != usual else ""), (gpus, value),
                         textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.margins(y=0.15)  # room for the annotations
-    ax.set(ylabel="training time (h)", title="Training time (train + validation, from logged wall times)")
-    return _finish(fig, ax, runs)
+
+    return _count_figure(table, runs, "training_seconds", draw, log_y=True, ymargin=0.15,  # room for the annotations
+                         ylabel="training time (h)", title="Training time (train + validation, from logged wall times)")
 
 
 def io_figure(traces: Sequence[IOTrace]):
