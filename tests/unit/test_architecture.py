@@ -32,7 +32,8 @@ CLI_IMPORTERS = {"common.tools.bench.measurements", "common.ray_cluster"}
 # The command line and what it imports: no torch (seconds and hundreds of MiB), so that --help and a mistake's
 # one line come at once. They import only each other at module level (a function may import more, when it runs).
 TORCH_FREE = {"common.errors", "common.files", "common.config", "common.arguments", "common.ports",
-              "common.architectures", "common.launcher", "common.process_signals", "common.cli", "common.provenance"}
+              "common.architectures", "common.launcher", "common.process_signals", "common.flags", "common.cli",
+              "common.provenance"}
 
 
 def module_name(path: Path) -> str:
