@@ -13,6 +13,11 @@ PYTEST_SELECT :=
 else
 PYTEST_SELECT := -m "not slow"
 endif
+# The tests run in TEST_PROCESSES processes (pytest-xdist; which tests share one: tests/conftest.py). A test's
+# own processes keep about one of CI's two cores busy on average: two at once use both. 0: all in this
+# process (for a debugger).
+TEST_PROCESSES ?= 2
+PYTEST_PROCESSES := $(if $(filter 0,$(TEST_PROCESSES)),,-n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder)
 
 # `make figures`: figures/ and RESULTS.md from the run directories in RUNS (default: the runs
 # committed in results/runs; e.g. `make figures RUNS=runs` for your own) and the upstream logs.
@@ -42,10 +47,10 @@ demo: $(INSTALLED)
 	PYTHON=$(PY) bash run_scripts/demo.sh
 
 test: $(TEST_INSTALLED)
-	$(PY) -m pytest tests $(PYTEST_SELECT)
+	$(PY) -m pytest tests $(PYTEST_PROCESSES) $(PYTEST_SELECT)
 
 test-all: $(TEST_INSTALLED)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(PYTEST_PROCESSES)
 
 # `make bench`: the speed harness (README, "Speed"): ratios against the plain reference, a CSV in runs/bench/.
 bench: $(INSTALLED)
