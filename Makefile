@@ -59,7 +59,7 @@ bench: $(INSTALLED)
 figures: $(INSTALLED)
 	$(PY) -m common.tools.plots $(RUNS) --out figures
 	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
+	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) --recipes common/recipes $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:

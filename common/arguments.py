@@ -8,9 +8,10 @@ errors and files.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import resource
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from common.errors import UsageError
 from common.files import format_bytes
@@ -29,6 +30,13 @@ class Parser(argparse.ArgumentParser):
         if action.option_strings and action.nargs is None and arg_strings == ["--"]:
             self.error(f"argument {'/'.join(action.option_strings)}: expected one argument, got '--'")
         return super()._get_values(action, arg_strings)
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """'; did you mean resnet50?' for the closest of `known` to a mistyped
+    `name` (an architecture, a recipe, a recipe file's key), '' when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def int_at_least(minimum: int, what: str, maximum: Optional[int] = None) -> Callable[[str], int]:

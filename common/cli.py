@@ -15,16 +15,16 @@ training, checked last by running the model on the meta device.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from common import launcher, process_signals
+from common import launcher, process_signals, recipes
 from common.architectures import available_architectures
-from common.arguments import check_batch_fits, check_fits_in_memory, memory_bytes
-from common.config import Config
+from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
+from common.config import MODES, Config
 from common.errors import UsageError, error_summary, run_main
 from common.flags import build_parser
 
@@ -32,15 +32,94 @@ __all__ = ["build_parser", "parse", "run"]
 
 
 def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
-    """Parse and check the command line of the `mode` entry script."""
+    """Parse and check the command line of the `mode` entry script; with
+    --recipe, over the recipe's flags (_apply_recipe)."""
     parser = build_parser(mode)
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
-    _check_values(ns)
+    kept, overridden = {}, ()
+    if ns.recipe is not None:
+        ns, kept, overridden = _apply_recipe(parser, mode, ns.recipe, argv)
+    try:
+        _check_values(ns)
+    except UsageError as error:
+        raise _blamed_on_recipe(error, parser, ns.recipe, kept) from None
     values = vars(ns)  # argparse destinations are the Config field names
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
-    return Config(mode=mode, **values)
+    return Config(mode=mode, recipe_overridden=overridden, **values)
+
+
+def _apply_recipe(parser: argparse.ArgumentParser, mode: str, name: str,
+                  argv: List[str]) -> Tuple[argparse.Namespace, Dict[str, str], Tuple[str, ...]]:
+    """The command line parsed over recipe `name`'s flags, as if they were
+    typed before it: each of the recipe's flags is parsed in turn (so that a
+    mistake names its key), then argv over them, so the command line's own
+    flags win (argparse keeps the last value). Returns that namespace, the
+    recipe's flags the command line left alone ({destination: key}) and the
+    keys it overrode, in the file's order."""
+    recipe = recipes.read(name)
+    ns, keys = argparse.Namespace(), {}
+    for key in recipe.flags:
+        action = parser._option_string_actions.get(f"--{key}")
+        if action is None or action.dest in ("recipe", "help"):
+            raise recipe.mistake(key, _not_a_flag_of(mode, key, parser))
+        if action.dest in keys:
+            raise recipe.mistake(key, f"sets what {keys[action.dest]!r} already set")
+        keys[action.dest] = key
+        words = recipes.flag_words(recipe, key, switch=action.nargs == 0)
+        try:
+            ns = parser.parse_args(words, namespace=ns)
+        except UsageError as error:
+            raise recipe.mistake(key, str(error)) from None
+        if ns.data is not None:  # a list longer than the flag takes: the rest would be read as DATA
+            raise recipe.mistake(key, f"more values than --{key} takes")
+    given = _given_destinations(parser, argv)
+    ns = parser.parse_args(argv, namespace=ns)
+    return (ns, {dest: key for dest, key in keys.items() if dest not in given},
+            tuple(key for dest, key in keys.items() if dest in given))
+
+
+_NOT_GIVEN = object()
+
+
+def _given_destinations(parser: argparse.ArgumentParser, argv: List[str]) -> set:
+    """The destinations that argv's own flags set, whatever their values:
+    argv parsed over a namespace whose every destination is taken already,
+    so that argparse fills in no default and what changed was given."""
+    probe = argparse.Namespace(**{action.dest: _NOT_GIVEN for action in parser._actions})
+    parser.parse_args(argv, namespace=probe)
+    return {dest for dest, value in vars(probe).items() if value is not _NOT_GIVEN}
+
+
+def _not_a_flag_of(mode: str, key: str, parser: argparse.ArgumentParser) -> str:
+    """Why a recipe file's key is no flag of this script: another script's
+    flag (--opt-level is imagenet_ddp_apex.py's), or a misspelt one."""
+    if key in ("recipe", "help"):
+        return f"--{key} cannot be set by a recipe"
+    others = [f"imagenet_{other}.py" for other in MODES
+              if other != mode and f"--{key}" in build_parser(other)._option_string_actions]
+    longs = [option[2:] for option in parser._option_string_actions if option.startswith("--")]
+    return (f"imagenet_{mode}.py has no flag --{key}" +
+            (f"; run this recipe with {' or '.join(others)}" if others else did_you_mean(key, longs)))
+
+
+_NAMED_FLAG = re.compile(r"argument (\S+):")
+
+
+def _blamed_on_recipe(error: UsageError, parser: argparse.ArgumentParser, recipe: Optional[str],
+                      kept: Dict[str, str]) -> UsageError:
+    """A check across flags that failed on a value the recipe set and the
+    command line left alone (its --warmup-epochs 5 against --epochs 2) says
+    so, and how to override it."""
+    named = _NAMED_FLAG.match(str(error))
+    actions = parser._option_string_actions
+    dests = [actions[flag].dest for flag in named.group(1).split("/") if flag in actions] if named else []
+    blamed = next((kept[dest] for dest in dests if dest in kept), None)
+    if blamed is None:
+        return error
+    return UsageError(f"{error} (--{blamed} was set by --recipe {recipe}: give it on the command line to override)")
 
 
 def _check_values(ns: argparse.Namespace) -> None:
@@ -63,9 +142,8 @@ def _check_values(ns: argparse.Namespace) -> None:
 def _check_architecture(arch: str) -> None:
     archs = available_architectures()
     if arch not in archs:
-        close = difflib.get_close_matches(arch, archs, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r}{hint} (see --help for the list)")
+        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r}{did_you_mean(arch, archs)} "
+                         f"(see --help for the list)")
 
 
 def _check_distributed_flags(ns: argparse.Namespace) -> None:

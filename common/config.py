@@ -103,6 +103,9 @@ class Config:
     # DDP's gradient bucket size in MB; None: DDP's default (25 MB, and a first bucket of 1 MiB)
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False  # DDP's static_graph: the same parameters train every step
+    # --recipe NAME: a published recipe (common/recipes/NAME.toml) whose flags were set before the command line's
+    recipe: Optional[str] = None
+    recipe_overridden: Tuple[str, ...] = ()  # the recipe's flags (its keys) that the command line gave again
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

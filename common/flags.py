@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import textwrap
 from typing import Tuple, Union
 
 from common.architectures import available_architectures
@@ -18,6 +19,7 @@ from common.config import (DATA_BACKENDS, DATA_TIMEOUT_SECONDS, DDP_COMM_HOOKS, 
 from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
                               positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, program
+from common import recipes
 
 _DESCRIPTIONS = {
     "nd": "Train and validate an ImageNet classifier on one device (a GPU, or the CPU).",
@@ -34,6 +36,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False):
             return action.help
         return super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        # Wrapped at spaces only: a name such as ffcv-rn18-16, or a flag, stays whole on one line.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def build_parser(mode: str) -> argparse.ArgumentParser:
@@ -52,6 +58,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
         help="dataset folder holding train/<class>/<images> and val/<class>/<images> "
              "(may be omitted with --synthetic)",
     )
+    _add_recipe_flag(parser.add_argument_group("recipe"))
     _add_model_flags(parser.add_argument_group("model"), mode)
     _add_data_flags(parser.add_argument_group("data"))
     _add_optimisation_flags(parser.add_argument_group("optimisation"))
@@ -64,6 +71,15 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     if mode == "ddp_apex":
         _add_precision_flags(parser)
     return parser
+
+
+def _add_recipe_flag(group) -> None:
+    group.add_argument("--recipe", default=None, metavar="NAME",
+                       help="a published training recipe's flags, set as if typed before this command line, so that "
+                            "any flag given here overrides its value; config.json records the recipe, what it set "
+                            "and what was overridden. Each is a file, common/recipes/NAME.toml, with its source, "
+                            "its published top-1, hardware and time (docs/recipes.md has the table): "
+                            + ", ".join(recipes.names()))
 
 
 def _add_model_flags(group, mode: str) -> None:

@@ -32,7 +32,7 @@ import torchvision
 
 from common.checkpoint import ResumePoint
 from common.config import Config
-from common import hardware, provenance
+from common import hardware, provenance, recipes
 from common.distributed import Context
 from common.errors import UsageError, one_line, printable, without_credentials
 from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text, format_bytes
@@ -426,6 +426,8 @@ class RunLog:
             "resolved": resolved,
             "environment": environment(self.ctx),
         }
+        if cfg.recipe is not None:  # its name, file, source, every flag it set, and those the command line overrode
+            record["recipe"] = recipes.record(cfg.recipe, cfg.recipe_overridden)
         # Written whole or not at all; one that cannot be written (a full disk) stops the run before it starts,
         # as the free-space check would have: without it, --resume auto would not know the directory.
         path = self.run_dir / ("resumes.jsonl" if run_dir.resuming else "config.json")

@@ -387,6 +387,22 @@ def memory_capped(extra_bytes: int = 2 << 30):
         resource.setrlimit(resource.RLIMIT_AS, previous)
 
 
+def run_with_cached_architectures(code: str, cache_folder: Path) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh interpreter whose architecture names come from
+    a cache made here first (XDG_CACHE_HOME=cache_folder), as every start after a
+    torchvision version's first does: so that what the code imports is the
+    command line's own doing (the torch-free checks), not the names' listing."""
+    from unittest import mock
+
+    from common import architectures
+
+    environment = dict(os.environ, XDG_CACHE_HOME=str(cache_folder))
+    with mock.patch.dict(os.environ, environment):
+        assert architectures.available_architectures.__wrapped__()
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
+                          timeout=120)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs bf16 natively (AVX512, AMX) as common.hardware sees
     it; on an AVX2-only CPU, or with ATEN_CPU_CAPABILITY=avx2 set, it is

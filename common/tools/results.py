@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from common import provenance
+from common import provenance, recipes
 from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main, without_credentials
 from common.tools import plots
@@ -317,6 +317,40 @@ def _present(rows: List[dict], column: str) -> bool:
     return any(row.get(column, "") != "" for row in rows)
 
 
+def recipes_section(folder: str, runs: Sequence[plots.Run]) -> str:
+    """The named recipes (common/recipes/*.toml): the ImageNet figures their
+    sources published, in one table, and this project's runs that used one,
+    in another: the sources' numbers and measured ones are never mixed."""
+    found = recipes.names(Path(folder))
+    if not found:
+        raise UsageError(f"argument --recipes: no recipe file (NAME.toml) in {folder}")
+    published = []
+    for name in found:
+        recipe = recipes.read(name, Path(folder))
+        figures = recipe.published
+        published.append([f"`{name}`", recipe.flags.get("arch", "—"), f"{figures['top1']}%", figures["epochs"],
+                          figures["hardware"], figures["wall_time"],
+                          f"[recipe]({recipe.source}), [figure]({figures['stated_in']})"])
+    measured = []
+    for run in runs:
+        name = ((run.config or {}).get("options") or {}).get("recipe")
+        if name:
+            last_epoch, top1, _ = plots.last_validation(run)
+            measured.append([f"`{run.name}`", f"`{name}`", plots.count_label(run.replicas, run.device_kind),
+                             len(run.epochs), f"{number(top1)}% (epoch {last_epoch})" if last_epoch is not None
+                             else "—", number(plots.training_seconds(run), 1)])
+    return "\n".join([
+        "## Recipes", "",
+        f"**Published by their sources, not measured by this project:** each recipe's ImageNet top-1 as its source "
+        f"states it, with the source's hardware and wall time (read from `{portable_path(folder)}/*.toml`; "
+        f"`--recipe NAME` sets a recipe's flags, docs/recipes.md).", "",
+        table(["recipe", "model", "published top-1 (the source's)", "epochs", "hardware (the source's)",
+               "wall time (the source's)", "source"], published), "",
+        "### Runs of a recipe measured by this project", "",
+        table(["run", "recipe", "scale", "epochs", "last val top-1", "training time (s)"], measured) if measured
+        else "None among the runs above."])
+
+
 SCALING_GPU_COUNTS = ("64",)  # the model's rows RESULTS.md shows (its CSV has 1 to 1,024 GPUs)
 
 
@@ -397,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling", nargs="+", metavar="CSV", default=None,
                         help="CSV files of python -m common.tools.scaling and common.tools.link_validation: the "
                              "scaling model's section, one table per file")
+    parser.add_argument("--recipes", metavar="DIR", default=None,
+                        help="folder of the recipe files (common/recipes): a recipes section, the figures their "
+                             "sources published apart from the runs of a recipe measured here")
     parser.add_argument("--figures", default="figures", metavar="DIR",
                         help="folder of the figures (python -m common.tools.plots); links to those that exist")
     return parser
@@ -428,6 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 f"(last - first end-of-epoch wall time) + one mean epoch, so the first epoch counts; a figure "
                 f"quoted as last - first leaves it out. {grouped}", "",
                 summary_table(plots.summarize([*upstream, *runs]))]
+    if args.recipes:
+        out += ["", recipes_section(args.recipes, runs)]
     # This project's figures, and beside them the upstream logs' (python -m common.tools.plots UPSTREAM --out FIGURES/upstream).
     folders = {"this project": Path(args.figures), "upstream": Path(args.figures, "upstream")}
     if not upstream:

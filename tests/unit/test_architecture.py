@@ -8,21 +8,19 @@ saying why."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
-from helpers import REPO
+from helpers import REPO, run_with_cached_architectures
 
 COMMON = REPO / "common"
 MAX_CLASS_LINES = 150
 # The bottom layer, the table's first rows: what every module may import, and which imports no other module of
 # common/ than these.
 BOTTOM = {"common.errors", "common.files", "common.ports", "common.config", "common.arguments", "common.hardware",
-          "common.provenance"}
+          "common.provenance", "common.recipes"}
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 # A row of its module table: `common/name.py`, or a folder, `common/tools/`, that stands for all its modules.
 TABLE_ROW = re.compile(r"^\| `common/([\w/]+?)(\.py|/)` \|", re.MULTILINE)
@@ -33,7 +31,7 @@ CLI_IMPORTERS = {"common.tools.bench.measurements", "common.ray_cluster"}
 # one line come at once. They import only each other at module level (a function may import more, when it runs).
 TORCH_FREE = {"common.errors", "common.files", "common.config", "common.arguments", "common.ports",
               "common.architectures", "common.launcher", "common.process_signals", "common.flags", "common.cli",
-              "common.provenance"}
+              "common.provenance", "common.recipes"}
 
 
 def module_name(path: Path) -> str:
@@ -222,15 +220,9 @@ print(after_import, torch_modules())
 
 
 def test_help_and_mistakes_import_no_torch(tmp_path):
-    from common import architectures
-
     # The architectures' names are cached per torchvision version: the first start of a version lists them
-    # (importing torchvision), as this process does here; every later start reads the cache.
-    environment = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    with mock.patch.dict(os.environ, environment):
-        assert architectures.available_architectures.__wrapped__()
-    done = subprocess.run([sys.executable, "-c", _PARSE_WITHOUT_TORCH], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=120)
+    # (importing torchvision), as the helper does here; every later start reads the cache.
+    done = run_with_cached_architectures(_PARSE_WITHOUT_TORCH, tmp_path / "cache")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.strip() == "[] []", done.stdout
     assert "error: argument --lr" in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
