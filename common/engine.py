@@ -348,7 +348,8 @@ class Trainer:
                         batch = timer.waiting(lambda: next(batches))
                     except DataTimeout as stall:  # BatchNorm has seen the earlier ones: no checkpoint here
                         raise self.stalled(stall, f"epoch {epoch} step {step}/{steps}", None) from None
-            mix_seed = derived_seed(data_seed, epoch, step, self.ctx.rank, index)  # a resume mixes alike
+            # A micro-batch's mixing draws from a seed of its position: a resume mixes alike.
+            mix_seed = derived_seed(data_seed, epoch, step, self.ctx.rank, index) if self.mixing else 0
             micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1,
                                            mix_seed=mix_seed))
         loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)

@@ -71,7 +71,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     schedule = LRSchedule(plan.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
-    mixing = BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
+    mixing = None if cfg.evaluate else BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
     if mixing is not None:  # with how training's top-1 is counted under it
         log.info(mixing.describe())
 

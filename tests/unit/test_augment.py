@@ -257,8 +257,9 @@ def test_the_gpu_backend_draws_on_the_gpu_what_the_worker_would_have(jpegs, monk
             on_cpu, cpu_draws = batch.decode(torch.device("cpu"))[0], draws.taken()
             on_gpu, gpu_draws = batch.decode(torch.device("cuda"))[0].cpu(), draws.taken()
             assert cpu_draws == gpu_draws, (policy, seed)
-            # nvJPEG and libjpeg-turbo decode a few levels apart; the same ops keep the images close.
-            assert (on_cpu.float() - on_gpu.float()).abs().mean() <= 3.0, (policy, seed)
+            # nvJPEG and libjpeg-turbo decode a level or two apart, which Equalize may double; other draws would
+            # differ by tens of levels. (Not yet run on a GPU: the session that wrote it had none.)
+            assert (on_cpu.float() - on_gpu.float()).abs().mean() <= 6.0, (policy, seed)
 
 
 # --- the flags ---
