@@ -15,6 +15,7 @@ training, checked last by running the model on the meta device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -129,6 +130,7 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_architecture(ns.arch)
     _check_distributed_flags(ns)
     _check_training_flags(ns)
+    _check_augmentation_flags(ns)
     _check_machine_fits(ns)
     _check_output_paths(ns)
     if not ns.synthetic:
@@ -183,6 +185,20 @@ def _check_training_flags(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --lr-steps: epochs must be increasing, got {' '.join(map(str, ns.lr_steps))}")
     if ns.warmup_epochs > ns.epochs:
         raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
+
+
+def _check_augmentation_flags(ns: argparse.Namespace) -> None:
+    """--auto-augment and --random-erase against the backend; a policy's own setting without the policy."""
+    for flag, value in (("--auto-augment", ns.auto_augment), ("--random-erase", ns.random_erase)):
+        if value and ns.data_backend == "dali":
+            raise UsageError(f"argument {flag}: not with --data-backend dali (its pipeline on the device does not "
+                             f"apply it; use gpu, torchvision or pil)")
+    defaults = {field.name: field.default for field in dataclasses.fields(Config)}
+    for flag, name, policy in (("--ra-magnitude", "ra_magnitude", "ra"), ("--augmix-severity", "augmix_severity",
+                                                                           "augmix")):
+        if getattr(ns, name) != defaults[name] and ns.auto_augment != policy:
+            raise UsageError(f"argument {flag}: only with --auto-augment {policy} (this run: "
+                             f"{ns.auto_augment or 'none'})")
 
 
 def _check_machine_fits(ns: argparse.Namespace) -> None:

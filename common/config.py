@@ -31,6 +31,10 @@ MAX_DATA_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a week; more would overflow the cl
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
+# --auto-augment's choices, torchvision's references' names: TrivialAugmentWide, RandAugment, AugMix and
+# AutoAugment's ImageNet policy (torchvision.transforms.v2; common.augment makes them).
+AUTO_AUGMENT_POLICIES = ("ta_wide", "ra", "augmix", "imagenet")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -106,6 +110,13 @@ class Config:
     # --recipe NAME: a published recipe (common/recipes/NAME.toml) whose flags were set before the command line's
     recipe: Optional[str] = None
     recipe_overridden: Tuple[str, ...] = ()  # the recipe's flags (its keys) that the command line gave again
+    # Augmentation and mixing (common.augment; docs/recipes.md):
+    auto_augment: Optional[str] = None  # one of AUTO_AUGMENT_POLICIES, after the training crop and flip; None: none
+    ra_magnitude: int = 9  # --auto-augment ra: RandAugment's magnitude, a bin of 0..30
+    augmix_severity: int = 3  # --auto-augment augmix: AugMix's severity, 1..10
+    random_erase: float = 0.0  # probability of erasing a random box of a training image; 0: never
+    mixup_alpha: float = 0.0  # Beta(alpha, alpha) of MixUp's share of each batch's pairs; 0: no MixUp
+    cutmix_alpha: float = 0.0  # Beta(alpha, alpha) of CutMix's share; 0: no CutMix (with both: one per batch)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

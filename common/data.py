@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data import default_collate
 
 from common.arguments import check_fits_in_memory, memory_bytes
+from common.augment import ImageAugmentation
 from common.config import Config
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
@@ -399,6 +400,9 @@ def build_datasets(cfg: Config, ctx: Context,
         val = SyntheticImages(val_length, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed + 1)
         # A habit of copied command lines; silence would suggest DATA was trained on.
         notes = [f"note: --synthetic: DATA {cfg.data} is not read; random images stand in for it"] if cfg.data else []
+        if cfg.auto_augment or cfg.random_erase:  # a recipe's flags on a benchmark: said, not refused
+            notes.append("note: --synthetic: its random images are not augmented (--auto-augment, --random-erase); "
+                         "--mixup-alpha and --cutmix-alpha still mix its batches")
         return train, val, classes, notes
     lists = find_lists(cfg.data, cfg.file_list, ctx)
     skip = cfg.bad_images == "skip"
@@ -412,11 +416,14 @@ def build_datasets(cfg: Config, ctx: Context,
 def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) -> Callable:
     """Path -> pipelines.Loaded (image, bytes read, ...), as --data-backend
     says (see common.pipelines); `decoder`: the run's (jpeg_decoder)."""
+    augmentation = ImageAugmentation.of(cfg.auto_augment, cfg.ra_magnitude, cfg.augmix_severity,
+                                        cfg.random_erase) if train else None
     if cfg.data_backend == "pil":
-        return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip) if train else
+        return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip, augmentation) if train else
                          val_transform(cfg.image_size, cfg.val_resize))
     kind = {"gpu": EncodedImages, "dali": DaliImages}.get(cfg.data_backend, TensorImages)
-    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder)
+    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder,
+                augmentation=augmentation)
 
 
 def jpeg_decoder(data_backend: str, synthetic: bool) -> Optional[JpegDecoder]:

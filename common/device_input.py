@@ -19,7 +19,7 @@ from PIL import Image
 from common.errors import error_summary
 from common.image_files import BadImageError, decode_rgb, uint8_tensor
 from common.jpeg_decoders import JpegDecoder
-from common.pipelines import IMAGENET_MEAN, IMAGENET_STD, Encoded, stack_images
+from common.pipelines import IMAGENET_MEAN, IMAGENET_STD, Encoded, replayed, stack_images
 
 
 # --data-backend gpu and dali: the workers' files, collated into one batch, decoded on the device.
@@ -40,6 +40,9 @@ class EncodedBatch:
         self.geometries = [item.geometry for item in jpegs]
         self.sizes = [item.size for item in jpegs]
         self.paths = [item.path for item in jpegs]
+        # --auto-augment, --random-erase: the run's transforms, and each JPEG's generator state to draw them from
+        self.augment = jpegs[0].augment if jpegs else None
+        self.generator_states = torch.stack([item.generator_state for item in jpegs]) if self.augment else None
         finished = [item.image for item in items if item.image is not None]
         self.finished = stack_images(finished) if finished else None
 
@@ -62,10 +65,14 @@ class EncodedBatch:
 
     def decode_jpegs(self, device: torch.device) -> List[torch.Tensor]:
         """The batch's JPEGs decoded by the run's decoder on `device` (one
-        call), then cropped, resized and flipped there."""
+        call), then cropped, resized and flipped there, and augmented with
+        the draws their workers would have made (pipelines.replayed)."""
         files = list(torch.split(self.data, self.lengths))
-        return [geometry.apply(image, *size) for image, geometry, size in
-                zip(_decode_on(self.decoder, device, files, self.paths), self.geometries, self.sizes)]
+        images = [geometry.apply(image, *size) for image, geometry, size in
+                  zip(_decode_on(self.decoder, device, files, self.paths), self.geometries, self.sizes)]
+        if self.augment is None:
+            return images
+        return [replayed(self.augment, image, state) for image, state in zip(images, self.generator_states)]
 
 
 def _decode_on(decoder: JpegDecoder, device: torch.device, files: List[torch.Tensor],

@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from torch.optim import Optimizer
 
 from common import measure, preemption
+from common.augment import BatchMixing
 from common.checkpoint import Checkpointer, ResumePoint
 from common.data import BadImages, Loaders, derived_seed
 from common.device_input import DeviceInput
@@ -253,6 +254,7 @@ class Trainer:
     profile_steps: int = 0  # --profile-steps: training steps profiled, once a run (measure.StepProfiler)
     profiled: bool = dataclasses.field(default=False, init=False)
     accum_steps: int = 1  # --accum-steps: micro-batches per optimizer step
+    mixing: Optional[BatchMixing] = None  # --mixup-alpha, --cutmix-alpha: on each micro-batch
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -346,7 +348,10 @@ class Trainer:
                         batch = timer.waiting(lambda: next(batches))
                     except DataTimeout as stall:  # BatchNorm has seen the earlier ones: no checkpoint here
                         raise self.stalled(stall, f"epoch {epoch} step {step}/{steps}", None) from None
-            micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1))
+            # A micro-batch's mixing draws from a seed of its position: a resume mixes alike.
+            mix_seed = derived_seed(data_seed, epoch, step, self.ctx.rank, index) if self.mixing else 0
+            micro.append(self._accumulated(batch, bad_images, backward=index < self.accum_steps - 1,
+                                           mix_seed=mix_seed))
         loss = micro[0].loss if len(micro) == 1 else sum(part.loss for part in micro) / len(micro)
         if self.guard.allows_update(loss, epoch, step, lr):
             with record_function("step:backward and optimizer"):
@@ -390,21 +395,30 @@ class Trainer:
         return saved_or_why(lambda: self.checkpointer.save_mid_epoch(
             epoch, step, images_done, partial.to_dict(), steps, stopping=stopping, log=self.log))
 
-    def _accumulated(self, batch, bad_images: BadImages, backward: bool = False) -> "_MicroBatch":
+    def _accumulated(self, batch, bad_images: BadImages, backward: bool = False,
+                     mix_seed: int = 0) -> "_MicroBatch":
         """One micro-batch's forward pass (and, for all but a step's last,
         `backward`, its backward pass without DDP's exchange, the loss divided
         by --accum-steps as the step's mean over them needs). Both under
-        no_sync(): DDP arms its exchange for the backward during the forward."""
+        no_sync(): DDP arms its exchange for the backward during the forward.
+        With mixing, the loss takes the mixed (probability) targets and the
+        hit counts the label with the larger share, as torchvision's references count."""
+        images, target, loss_target = batch.image, batch.target, batch.target
+        if self.mixing is not None:
+            with record_function("step:mixing"):
+                images, loss_target = self.mixing(images, target, mix_seed)
+                images = images.contiguous(memory_format=self._input.memory_format)
+                target = loss_target.argmax(dim=1)
         with self._no_sync() if backward else contextlib.nullcontext():
             with record_function("step:forward"), self.precision.autocast():
-                logits = self.model(batch.image)
-                loss = self.criterion(logits, batch.target)
+                logits = self.model(images)
+                loss = self.criterion(logits, loss_target)
             if backward:
                 with record_function("step:backward (accumulating)"):
                     self.precision.backward(loss / self.accum_steps)
         files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
                      large_images=bad_images.count_large(batch))
-        return _MicroBatch(loss, logits, batch.target, files)
+        return _MicroBatch(loss, logits, target, files)
 
     def _no_sync(self):
         """DDP's no_sync(): gradients add up locally, exchanged at the next synchronised backward."""

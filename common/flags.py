@@ -14,10 +14,10 @@ import textwrap
 from typing import Tuple, Union
 
 from common.architectures import available_architectures
-from common.config import (DATA_BACKENDS, DATA_TIMEOUT_SECONDS, DDP_COMM_HOOKS, MAX_DATA_TIMEOUT_SECONDS, MODES,
-                           PREEMPT_SIGNALS)
-from common.arguments import (Parser, float_in, non_negative_float, non_negative_int, percent, positive_float,
-                              positive_int, seed_int, unit_interval)
+from common.config import (AUTO_AUGMENT_POLICIES, DATA_BACKENDS, DATA_TIMEOUT_SECONDS, DDP_COMM_HOOKS,
+                           MAX_DATA_TIMEOUT_SECONDS, MODES, PREEMPT_SIGNALS)
+from common.arguments import (Parser, float_in, int_at_least, non_negative_float, non_negative_int, percent,
+                              positive_float, positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, program
 from common import recipes
 
@@ -61,6 +61,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     _add_recipe_flag(parser.add_argument_group("recipe"))
     _add_model_flags(parser.add_argument_group("model"), mode)
     _add_data_flags(parser.add_argument_group("data"))
+    _add_augmentation_flags(parser.add_argument_group("augmentation and mixing (docs/recipes.md)"))
     _add_optimisation_flags(parser.add_argument_group("optimisation"))
     _add_schedule_flags(parser.add_argument_group("learning-rate schedule"))
     _add_run_flags(parser.add_argument_group("run"))
@@ -155,6 +156,41 @@ def _add_data_flags(group) -> None:
                             "reading (a worker that was stopped, a network file system that stopped answering), "
                             "after a checkpoint when it trains in one process with --workers 1 or more. 0: wait "
                             "for ever")
+
+
+# MixUp's and CutMix's alpha: below 0.01 torch's Beta sampler (float32) returns 0.5 for many draws instead of
+# shares near 0 and 1; above 1e6 every share is 0.5 to within 0.0005, and larger values reach float32's infinity.
+MIN_MIXING_ALPHA, MAX_MIXING_ALPHA = 0.01, 1e6
+
+
+def _mixing_alpha(text: str) -> float:
+    value = non_negative_float(text)
+    if value and not MIN_MIXING_ALPHA <= value <= MAX_MIXING_ALPHA:
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or from {MIN_MIXING_ALPHA:g} to {MAX_MIXING_ALPHA:g}, "
+                                         f"got {text}")
+    return value
+
+
+def _add_augmentation_flags(group) -> None:
+    group.add_argument("--auto-augment", choices=AUTO_AUGMENT_POLICIES, default=None,
+                       help="an augmentation policy of torchvision.transforms.v2 on each training image after its "
+                            "crop and flip: ta_wide (TrivialAugmentWide), ra (RandAugment, --ra-magnitude), augmix "
+                            "(AugMix, --augmix-severity), imagenet (AutoAugment's ImageNet policy); the same draws "
+                            "on the pil, torchvision and gpu backends (not with dali)")
+    group.add_argument("--ra-magnitude", type=int_at_least(0, "a magnitude bin from 0 to 30", maximum=30), default=9,
+                       metavar="N", help="with --auto-augment ra: RandAugment's magnitude, a bin of its 31")
+    group.add_argument("--augmix-severity", type=int_at_least(1, "a severity from 1 to 10", maximum=10), default=3,
+                       metavar="N", help="with --auto-augment augmix: AugMix's severity")
+    group.add_argument("--random-erase", type=float_in(0.0, 1.0, False, False, "a probability in [0, 1]"),
+                       default=0.0, metavar="P",
+                       help="erase a random box of each training image with probability P (torchvision's "
+                            "RandomErasing: 0 on the normalised image); not with --data-backend dali")
+    for name, what in (("mixup", "MixUp: each image blended with the next of its batch"),
+                       ("cutmix", "CutMix: a box of the next image of its batch pasted into each")):
+        group.add_argument(f"--{name}-alpha", type=_mixing_alpha, default=0.0, metavar="A",
+                           help=f"{what}, the share drawn from Beta(A, A), the targets mixed alike (soft targets); "
+                                f"0: off. With both, one of the two per batch (as torchvision's references). "
+                                f"Training top-1/top-5 then count the label with the larger share")
 
 
 def _add_optimisation_flags(group) -> None:

@@ -33,6 +33,12 @@ the same box of the same image; only the resampling arithmetic differs
                flips it (common.dali; DALI itself is imported only for this
                backend).
 
+--auto-augment and --random-erase (common.augment) follow the crop and flip
+on every backend but dali, drawing next from the same generator: on the
+crop's uint8 tensor in the worker (pil: then normalised and erased there),
+or for the gpu backend on the device, from the generator's state the worker
+kept with the file (Encoded.generator_state, replayed).
+
 Reading files and Pillow's decode, and bad images: common.image_files; the
 JPEG decoders and headers: common.jpeg_decoders; what happens on the device
 (GPU decoding of the gpu backend's batches, normalisation, memory format,
@@ -41,7 +47,7 @@ prefetching): common.device_input.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from PIL import Image
@@ -49,12 +55,15 @@ from torch.utils.data import default_collate
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as tensor_ops
 
+from common.augment import ImageAugmentation
 from common.image_files import decode_rgb, large_pixels, load_rgb, open_image, read_file, read_rgb, uint8_tensor
 from common.jpeg_decoders import EXIF_ORIENTATION, JPEG_END, JpegDecoder, JpegHeader, choose_jpeg_decoder, jpeg_header
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's aspect-ratio range
+# What normalisation maps to 0, in gray levels, rounded: --random-erase's value in a uint8 image (augment).
+MEAN_GRAY_LEVELS = tuple(round(255 * mean) for mean in IMAGENET_MEAN)
 
 
 class Loaded(NamedTuple):
@@ -79,13 +88,17 @@ def stack_images(images: Sequence[torch.Tensor]) -> torch.Tensor:
 
 # The reference pipelines (--data-backend pil): Pillow all the way, float32 out of the worker.
 
-def train_transform(image_size: int, crop_scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5):
-    return transforms.Compose([
-        transforms.RandomResizedCrop(image_size, scale=crop_scale, ratio=CROP_RATIO),
-        transforms.RandomHorizontalFlip(hflip),
-        transforms.ToTensor(),
-        transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+def train_transform(image_size: int, crop_scale: Tuple[float, float] = (0.08, 1.0), hflip: float = 0.5,
+                    augmentation: Optional[ImageAugmentation] = None):
+    geometry = [transforms.RandomResizedCrop(image_size, scale=crop_scale, ratio=CROP_RATIO),
+                transforms.RandomHorizontalFlip(hflip)]
+    normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    if augmentation is None:
+        return transforms.Compose([*geometry, transforms.ToTensor(), normalize])
+    # The policy on the crop's uint8 tensor, as the other backends run it; the erasing on the normalised image.
+    policy, erasing = augmentation.policy_transform(), augmentation.erasing([0.0])
+    return transforms.Compose([*geometry, transforms.PILToTensor(), *filter(None, [policy]),
+                               transforms.ConvertImageDtype(torch.float32), normalize, *filter(None, [erasing])])
 
 
 def val_transform(image_size: int, val_resize: int):
@@ -178,12 +191,13 @@ class TensorImages:
     """--data-backend torchvision: path -> (3 x S x S uint8 image, bytes
     read). With `train`, the crop and flip are drawn from torch's generator
     exactly as the reference's RandomResizedCrop and RandomHorizontalFlip
-    draw them."""
+    draw them, then `augmentation` (training only) runs on the uint8 crop."""
 
     def __init__(self, train: bool, image_size: int, crop_scale: Sequence[float] = (0.08, 1.0),
                  hflip: float = 0.5, val_resize: int = 256, reduced_decode: bool = True,
-                 decoder: Optional[JpegDecoder] = None):
+                 decoder: Optional[JpegDecoder] = None, augmentation: Optional[ImageAugmentation] = None):
         self.train = train
+        self.augment = augmentation.uint8(MEAN_GRAY_LEVELS) if augmentation is not None and train else None
         self.image_size = image_size
         self.crop_scale = list(crop_scale)
         self.hflip = hflip
@@ -238,7 +252,8 @@ class TensorImages:
             draft = (width // factor, height // factor) if factor > 1 else None
             rgb = load_rgb(opened, encoded, path, draft) if opened is not None else decode_rgb(encoded, path, draft)
             decoded = uint8_tensor(rgb)
-        return geometry.apply(decoded, width, height)
+        image = geometry.apply(decoded, width, height)
+        return self.augment(image) if self.augment is not None else image
 
 
 # --data-backend gpu: the worker sends the file and its geometry, the device decodes.
@@ -254,6 +269,8 @@ class Encoded:
     path: str = ""
     image: Optional[torch.Tensor] = None  # finished on the CPU
     decoder: Optional[JpegDecoder] = None  # the run's, for the JPEG
+    augment: Optional[Callable] = None  # --auto-augment and --random-erase, run where the JPEG is decoded
+    generator_state: Optional[torch.Tensor] = None  # torch's CPU generator after the geometry's draws, for `augment`
 
 
 class EncodedImages(TensorImages):
@@ -274,8 +291,19 @@ class EncodedImages(TensorImages):
             finished, file_bytes, large = self.load(encoded, path)
             return Loaded(Encoded(None, None, image=finished), file_bytes, large)
         data = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        return Loaded(Encoded(data, self.geometry(*header.size), header.size, path, decoder=self.decoder),
-                      len(encoded), 0)
+        geometry = self.geometry(*header.size)
+        state = torch.default_generator.get_state() if self.augment is not None else None  # drawn from on the device
+        return Loaded(Encoded(data, geometry, header.size, path, decoder=self.decoder, augment=self.augment,
+                              generator_state=state), len(encoded), 0)
+
+
+def replayed(augment: Callable, image: torch.Tensor, generator_state: torch.Tensor) -> torch.Tensor:
+    """`augment` (a gpu backend's Encoded's) on `image`, on its device,
+    drawing what the worker would have drawn: torch's CPU generator set to
+    the state the worker left after the crop and flip, then put back."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.set_state(generator_state)
+        return augment(image)
 
 
 class DaliImages(EncodedImages):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common import checkpoint, measure, preemption
+from common.augment import BatchMixing
 from common.checkpoint import Checkpointer, ResumePoint, RunFacts
 from common.comm import CommHook
 from common.config import Config
@@ -70,13 +71,16 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     schedule = LRSchedule(plan.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
+    mixing = None if cfg.evaluate else BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
+    if mixing is not None:  # with how training's top-1 is counted under it
+        log.info(mixing.describe())
 
     def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
         return Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
                        channels_last=plan.channels_last, steps_per_epoch=cfg.steps_per_epoch,
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
-                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps)
+                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps, mixing=mixing)
 
     def resume(auto_dir: Optional[Path]) -> ResumePoint:  # --resume: where the checkpoint stopped, to the step
         return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,
