@@ -348,7 +348,8 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log,
 _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
                    "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
                    "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
-                   "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step")
+                   "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "val_crop_size",
+                   "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:
