@@ -34,7 +34,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
-                               dropout=cfg.dropout)
+                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs())
     model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -34,7 +34,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
-                               dropout=cfg.dropout)
+                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs())
     model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     if ctx.device.type != "cuda":
         log.info("no GPU in use: one replica on the CPU, without nn.DataParallel")

@@ -30,7 +30,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
-                               dropout=cfg.dropout)
+                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs())
     model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 

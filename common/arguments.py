@@ -123,14 +123,15 @@ DATA_WORKER_OWN_BYTES = 8 * 2**20
 PREFETCHED_BATCHES = 2  # DataLoader's prefetch_factor
 
 
-def check_batch_fits(batch_size: int, image_size: int, memory: int, batch_flag: str = "-b/--batch-size") -> None:
+def check_batch_fits(batch_size: int, image_size: int, memory: int, batch_flag: str = "-b/--batch-size",
+                     size_flag: str = "--image-size") -> None:
     """One image, and one process's batch of them, as the float32 input a
-    model takes, within `memory`: a UsageError naming --image-size or
-    `batch_flag` otherwise."""
+    model takes, within `memory`: a UsageError naming `size_flag` (the flag
+    that asks for that size) or `batch_flag` otherwise."""
     side, image_bytes = image_size, 3 * image_size ** 2 * 4
-    check_fits_in_memory("--image-size", image_bytes, f"one {side}x{side} image as float32 input", memory)
+    check_fits_in_memory(size_flag, image_bytes, f"one {side}x{side} image as float32 input", memory)
     check_fits_in_memory(batch_flag, batch_size * image_bytes, f"a batch of {batch_size} {side}x{side} images as "
-                         f"float32 input (-b {batch_size} at --image-size {side})", memory)
+                         f"float32 input (-b {batch_size} at {size_flag} {side})", memory)
 
 
 def data_workers_bytes(workers: int, batch_size: int, image_size: int) -> int:

@@ -349,7 +349,8 @@ _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "la
                    "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
                    "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
                    "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "auto_augment",
-                   "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe")
+                   "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
+                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:

@@ -48,6 +48,8 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     values = vars(ns)  # argparse destinations are the Config field names
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
+    if ns.progressive_resizing is not None:
+        values["progressive_resizing"] = tuple(ns.progressive_resizing)
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
     return Config(mode=mode, recipe_overridden=overridden, **values)
 
@@ -138,7 +140,8 @@ def _check_values(ns: argparse.Namespace) -> None:
     if ns.batch_size == 1 and not ns.evaluate:
         # Runs the model on the meta device, so it imports torch and torchvision; only -b 1 pays for it.
         from common.models import check_one_image_per_step
-        check_one_image_per_step(ns.arch, ns.image_size)
+        smallest = ns.progressive_resizing[0] if ns.progressive_resizing else ns.image_size  # the smallest crop
+        check_one_image_per_step(ns.arch, smallest)
 
 
 def _check_architecture(arch: str) -> None:
@@ -177,8 +180,10 @@ def _check_training_flags(ns: argparse.Namespace) -> None:
     """Epochs, image sizes, crops and the schedule, against each other."""
     if ns.start_epoch >= ns.epochs:
         raise UsageError(f"argument --start-epoch: {ns.start_epoch} is not below --epochs {ns.epochs}")
-    if ns.val_resize < ns.image_size:
-        raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than --image-size {ns.image_size}")
+    val_crop, crop_flag = (ns.val_crop_size, "--val-crop-size") if ns.val_crop_size else (ns.image_size, "--image-size")
+    if ns.val_resize < val_crop:
+        raise UsageError(f"argument --val-resize: {ns.val_resize} is smaller than {crop_flag} {val_crop}")
+    _check_progressive_resizing(ns.progressive_resizing)
     if ns.crop_scale[0] > ns.crop_scale[1]:
         raise UsageError(f"argument --crop-scale: MIN {ns.crop_scale[0]:g} is above MAX {ns.crop_scale[1]:g}")
     if list(ns.lr_steps) != sorted(set(ns.lr_steps)):
@@ -199,6 +204,17 @@ def _check_augmentation_flags(ns: argparse.Namespace) -> None:
         if getattr(ns, name) != defaults[name] and ns.auto_augment != policy:
             raise UsageError(f"argument {flag}: only with --auto-augment {policy} (this run: "
                              f"{ns.auto_augment or 'none'})")
+def _check_progressive_resizing(progressive: Optional[Sequence[int]]) -> None:
+    """--progressive-resizing MIN_PX MAX_PX START_EPOCH END_EPOCH: sizes, and a range of epochs, in order."""
+    if progressive is None:
+        return
+    min_px, max_px, start_epoch, end_epoch = progressive
+    if min_px < 1:
+        raise UsageError("argument --progressive-resizing: MIN_PX 0 is no size (a side of at least 1 pixel)")
+    if min_px > max_px:
+        raise UsageError(f"argument --progressive-resizing: MIN_PX {min_px} is above MAX_PX {max_px}")
+    if start_epoch > end_epoch:
+        raise UsageError(f"argument --progressive-resizing: START_EPOCH {start_epoch} is after END_EPOCH {end_epoch}")
 
 
 def _check_machine_fits(ns: argparse.Namespace) -> None:
@@ -208,8 +224,12 @@ def _check_machine_fits(ns: argparse.Namespace) -> None:
     image resized to --val-resize, the node's processes (launcher)."""
     memory = memory_bytes()
     check_batch_fits(ns.batch_size, ns.image_size, memory)
+    if ns.progressive_resizing is not None:  # its largest crop; MIN_PX is no larger
+        check_batch_fits(ns.batch_size, ns.progressive_resizing[1], memory, size_flag="--progressive-resizing")
     check_fits_in_memory("--val-resize", 3 * ns.val_resize ** 2,
                          f"one validation image resized to {ns.val_resize}x{ns.val_resize} pixels", memory)
+    if ns.val_crop_size is not None:  # no larger than --val-resize (checked before)
+        check_batch_fits(ns.batch_size, ns.val_crop_size, memory, size_flag="--val-crop-size")
     # The flags' process count; the launcher checks the real one (GPUs, torchrun's) again before starting.
     launcher.check_node_processes(getattr(ns, "nproc_per_node", None) or 1, ns.workers, ns.batch_size,
                                   ns.image_size, share_cores=ns.device == "cpu", memory=memory)

@@ -117,6 +117,74 @@ class Config:
     random_erase: float = 0.0  # probability of erasing a random box of a training image; 0: never
     mixup_alpha: float = 0.0  # Beta(alpha, alpha) of MixUp's share of each batch's pairs; 0: no MixUp
     cutmix_alpha: float = 0.0  # Beta(alpha, alpha) of CutMix's share; 0: no CutMix (with both: one per batch)
+    # Resolution and sampling (docs/recipes.md): FixRes's three sizes, FFCV's progressive resizing and
+    # test-time flip, DeiT's repeated augmentation.
+    val_crop_size: Optional[int] = None  # pixels: side of the validation centre crop; None: image_size
+    # (MIN_PX, MAX_PX, START_EPOCH, END_EPOCH): the training crop grows from MIN to MAX over those epochs
+    # (progressive_crop_size); None: image_size every epoch
+    progressive_resizing: Optional[Tuple[int, int, int, int]] = None
+    progressive_step: int = 32  # pixels: progressive resizing's sizes are multiples of this (FFCV's 32)
+    val_flip: bool = False  # validation logits averaged over each image and its mirror image
+    ra_sampler: bool = False  # repeated augmentation: each drawn training image ra_reps times an epoch
+    ra_reps: int = 3  # copies of each drawn image with --ra-sampler, each augmented on its own
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def crop_sizes(self) -> "CropSizes":
+        """The training crop of each epoch and the validation crop, resolved."""
+        return CropSizes(self.image_size, self.val_crop_size or self.image_size, self.progressive_resizing,
+                         self.progressive_step)
+
+
+def progressive_crop_size(epoch: int, min_px: int, max_px: int, start_epoch: int, end_epoch: int,
+                          step_px: int) -> int:
+    """FFCV's progressive resizing (ffcv-imagenet's train_imagenet.py,
+    get_resolution): MIN_PX up to START_EPOCH, MAX_PX from END_EPOCH on, and
+    in between the linear interpolation rounded to the nearest multiple of
+    step_px (halves to even, as NumPy's round, which FFCV uses, does), kept
+    within [MIN_PX, MAX_PX] where MIN or MAX is not such a multiple. A pure
+    function of the epoch: a resumed run trains at the sizes an uninterrupted
+    one does."""
+    if epoch <= start_epoch:
+        return min_px
+    if epoch >= end_epoch:
+        return max_px
+    interpolated = min_px + (max_px - min_px) * (epoch - start_epoch) / (end_epoch - start_epoch)
+    return min(max_px, max(min_px, round(interpolated / step_px) * step_px))
+
+
+@dataclasses.dataclass(frozen=True)
+class CropSizes:
+    """The sides, in pixels, of the square training crop of each epoch and
+    of the validation centre crop (Config.crop_sizes): --image-size, or
+    --progressive-resizing's size of the epoch, and --val-crop-size."""
+
+    image_size: int  # --image-size: the training crop without progressive resizing
+    val: int  # the validation centre crop
+    progressive: Optional[Tuple[int, int, int, int]] = None  # --progressive-resizing MIN MAX START END
+    step: int = 32  # --progressive-step
+
+    def train(self, epoch: int) -> int:
+        """The training crop of epoch `epoch`."""
+        if self.progressive is None:
+            return self.image_size
+        return progressive_crop_size(epoch, *self.progressive, self.step)
+
+    @property
+    def train_range(self) -> Tuple[int, int]:
+        """The smallest and the largest training crop of any epoch."""
+        return (self.progressive[0], self.progressive[1]) if self.progressive else (self.image_size,) * 2
+
+    def model_inputs(self) -> Tuple[Tuple[str, int], ...]:
+        """(flag, side) of each input size the model must take besides
+        --image-size: the smallest and largest training crops and the
+        validation crop (a convolutional network that takes both ends of
+        a range takes the sizes between)."""
+        sizes = [("--progressive-resizing", side) for side in self.train_range] if self.progressive else []
+        flags = {}  # side -> the first flag that asks for it
+        for flag, side in sizes + [("--val-crop-size", self.val)]:
+            if side != self.image_size:
+                flags.setdefault(side, flag)
+        return tuple((flag, side) for side, flag in flags.items())

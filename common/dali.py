@@ -24,6 +24,9 @@ uninterrupted one); only the resampling arithmetic differs (DALI's
 antialiased linear resize; tests/e2e/test_dali.py bounds the difference).
 Validation decodes whole files, resizes the short side to --val-resize and
 cuts the centre crop, as the other backends do, in one resize of that region.
+The output side comes with each image (its Geometry's): one pipeline serves
+the validation crop (--val-crop-size) and every training crop of
+--progressive-resizing.
 
 DALI is optional (requirements-dali.txt): this module imports it only when a
 DaliDecoder is made, and a missing package is one line naming the package
@@ -127,11 +130,9 @@ class DaliDecoder:
     what keeping the hardware JPEG engines out would cost. Pixels then differ
     from the CPU decoders' at colour edges; the crops' geometry does not."""
 
-    def __init__(self, device: torch.device, image_size: int, max_batch: int, threads: int,
-                 libjpeg_chroma: bool = False):
+    def __init__(self, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool = False):
         self.dali = import_dali()
         self.device = device
-        self.image_size = image_size
         self.max_batch = max_batch
         self.threads = max(1, threads)
         self.on_gpu = device.type == "cuda"
@@ -185,9 +186,11 @@ class DaliDecoder:
             box = fn.external_source(name="box", dtype=types.FLOAT, ndim=1)  # x, y, width, height
             region = fn.external_source(name="region", dtype=types.FLOAT, ndim=1)  # y0, x0, y1, x1 in the box
             flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+            # The output side, per image (from its Geometry): the training crop of the epoch
+            # (--progressive-resizing) or the validation crop, one pipeline for every size.
+            size = fn.external_source(name="size", dtype=types.FLOAT, ndim=1)
             images = fn.decoders.image_slice(files, box[0:2], box[2:4], **decode_options)
-            images = fn.resize(images, size=[self.image_size, self.image_size], roi_start=region[0:2],
-                               roi_end=region[2:4], antialias=True)
+            images = fn.resize(images, size=size, roi_start=region[0:2], roi_end=region[2:4], antialias=True)
             pipeline.set_outputs(fn.flip(images, horizontal=flip))
         pipeline.build()
         return pipeline
@@ -222,6 +225,8 @@ class DaliDecoder:
         self._pipeline.feed_input("box", [np.asarray(box, dtype=np.float32) for box in boxes])
         self._pipeline.feed_input("region", [np.asarray(region, dtype=np.float32) for region in regions])
         self._pipeline.feed_input("flip", [np.asarray(int(geometry.flip), dtype=np.int32)
+                                           for geometry in batch.geometries])
+        self._pipeline.feed_input("size", [np.asarray([geometry.image_size] * 2, dtype=np.float32)
                                            for geometry in batch.geometries])
         plugin = importlib.import_module("nvidia.dali.plugin.pytorch")
         stream = torch.cuda.current_stream(self.device) if self.on_gpu else None

@@ -17,11 +17,16 @@ epoch), cut into consecutive global batches whatever the world size
 its own, (seed, epoch, image index), so they do not depend on which process
 or data-loading worker reads it, nor on how many there are. A checkpoint
 taken mid-epoch records how many images of the permutation were used, and
-the resumed epoch starts right after them.
+the resumed epoch starts right after them. Repeated augmentation
+(--ra-sampler: RepeatedAugmentationSampler) repeats each image of that
+permutation K times, the copies seeded (seed, epoch, image index, copy); the
+training crop's size under --progressive-resizing is a function of the epoch
+(EpochPipelines): the same on resume.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import random
@@ -35,7 +40,7 @@ from torch.utils.data import default_collate
 
 from common.arguments import check_fits_in_memory, memory_bytes
 from common.augment import ImageAugmentation
-from common.config import Config
+from common.config import Config, CropSizes
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
 from common.dataset_lists import FileList, find_lists
@@ -76,6 +81,12 @@ class Sample(NamedTuple):
     large_index: int = -1
 
 
+def image_and_copy(key) -> Tuple[int, int]:
+    """A training set's key: a dataset index, or (index, copy) from
+    RepeatedAugmentationSampler (the copy-th time the epoch trains on it)."""
+    return key if isinstance(key, tuple) else (key, 0)
+
+
 def derived_seed(*parts: int) -> int:
     """A 63-bit seed from integers (seed, epoch, index, ...): a hash, so
     neighbouring tuples get unrelated random streams."""
@@ -90,6 +101,10 @@ class ImageFolderDataset(Dataset):
     With `augmentation_seed` set (training), the random crop and flip of
     image `index` in epoch `epoch` draw from derived_seed(augmentation_seed,
     epoch, index): the same crop in whichever process or worker reads it.
+    Key (index, copy) (repeated augmentation) draws copy c > 0 from
+    derived_seed(augmentation_seed, epoch, index, c): each copy its own crop.
+    `pipeline_of_epoch` (--progressive-resizing: EpochPipelines), when given,
+    is the pipeline of each epoch, in place of `pipeline`.
 
     With `skip_bad_images`, an unreadable file's sample is the next readable
     image after it (cyclically), transformed with the unreadable index's own
@@ -101,9 +116,11 @@ class ImageFolderDataset(Dataset):
     batch that does not come within --data-timeout to name."""
 
     def __init__(self, samples: Sequence[Tuple[str, int]], pipeline: Callable, augmentation_seed: Optional[int] = None,
-                 skip_bad_images: bool = False, workers: int = 0):
+                 skip_bad_images: bool = False, workers: int = 0,
+                 pipeline_of_epoch: Optional[Callable[[int], Callable]] = None):
         self.samples = samples if isinstance(samples, FileList) else FileList(samples)  # no per-sample objects
         self.pipeline = pipeline
+        self.pipeline_of_epoch = pipeline_of_epoch
         self.augmentation_seed = augmentation_seed
         self.skip_bad_images = skip_bad_images
         self.known_bad = set()  # indices of unreadable files met by this process or worker (see _next_readable)
@@ -113,36 +130,39 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> Sample:
+    def __getitem__(self, key) -> Sample:
+        index, copy = image_and_copy(key)
         path, target = self.samples[index]
         bad_index, bad_reason, large_index = -1, "", -1
         try:
-            image, file_bytes, large_pixels = self._load(index, path, index)
+            image, file_bytes, large_pixels = self._load(index, path, index, copy)
             large_index = index if large_pixels else -1
         except BadImageError as error:
             if not self.skip_bad_images:
                 raise
             self.known_bad.add(index)
             bad_index, bad_reason = index, error.reason
-            image, target, file_bytes = self._next_readable(index)
+            image, target, file_bytes = self._next_readable(index, copy)
         return Sample(image, target, file_bytes, bad_index, bad_reason, large_index)
 
-    def _load(self, index: int, path: str, sample: int):
-        """`path` (sample `sample`'s) through the pipeline, with the random draws of image `index`."""
+    def _load(self, index: int, path: str, sample: int, copy: int = 0):
+        """`path` (sample `sample`'s) through the pipeline, with the random draws of copy `copy` of image `index`."""
         if self.augmentation_seed is not None:
             # torchvision's random transforms draw from torch's global generator (and user transforms
             # often from Python's): both are reseeded per image. With -j 0 this is the training
             # process's generator, which the training loop reseeds before each step.
-            seed = derived_seed(self.augmentation_seed, self.epoch, index)
+            parts = (index, copy) if copy else (index,)  # a first copy draws as an image of a plain epoch
+            seed = derived_seed(self.augmentation_seed, self.epoch, *parts)
             torch.default_generator.manual_seed(seed)  # the CPU generator only: no per-image cost on GPUs
             random.seed(seed)
+        pipeline = self.pipeline if self.pipeline_of_epoch is None else self.pipeline_of_epoch(self.epoch)
         self.reading.started(sample)
         try:
-            return self.pipeline(path)
+            return pipeline(path)
         finally:
             self.reading.finished()
 
-    def _next_readable(self, index: int):
+    def _next_readable(self, index: int, copy: int = 0):
         # Files found unreadable by this process (or worker) are not tried again: a folder of k of
         # them would otherwise cost k^2 attempts an epoch. Which image stands in stays the same.
         for offset in range(1, len(self.samples)):
@@ -151,13 +171,33 @@ class ImageFolderDataset(Dataset):
                 continue
             path, target = self.samples[candidate]
             try:
-                image, file_bytes, _ = self._load(index, path, candidate)  # the unreadable index's crop and flip
+                image, file_bytes, _ = self._load(index, path, candidate, copy)  # the unreadable one's draws
             except BadImageError:
                 self.known_bad.add(candidate)
                 continue
             return image, target, file_bytes
         raise BadImageError(f"{self.samples[index][0]}: no image of its split can be decoded "
                             f"(--bad-images skip has nothing to use instead)")
+
+
+class EpochPipelines:
+    """--progressive-resizing: the training pipeline of each epoch, at that
+    epoch's crop size (config.CropSizes.train, a function of the epoch
+    alone), made once per size by `make(size)`. The dataset asks it with the
+    epoch Loaders.set_epoch gives it, which data-loading workers (not
+    persistent: made again for each epoch's pass) get with their copy of the
+    dataset: the size reaches them as the epoch of the crops' seeds does."""
+
+    def __init__(self, make: Callable[[int], Callable], crop_sizes: CropSizes):
+        self.make = make
+        self.crop_sizes = crop_sizes
+        self.made: Dict[int, Callable] = {}
+
+    def __call__(self, epoch: int) -> Callable:
+        size = self.crop_sizes.train(epoch)
+        if size not in self.made:
+            self.made[size] = self.make(size)
+        return self.made[size]
 
 
 def collate(samples: List[Sample]) -> Sample:
@@ -236,11 +276,16 @@ class SyntheticImages(Dataset):
 
     POOL_SIZE = 64
 
-    def __init__(self, length: int, image_size: int, num_classes: int, seed: int):
+    def __init__(self, length: int, image_size: int, num_classes: int, seed: int,
+                 size_of_epoch: Optional[Callable[[int], int]] = None, size_flag: str = "--image-size"):
         self.length = length
         self.num_classes = num_classes
+        # --progressive-resizing: epoch E's images are the top-left size_of_epoch(E) pixels of the pool's
+        # (made at the largest size, `image_size`).
+        self.size_of_epoch = size_of_epoch
+        self.epoch = 0  # set by Loaders.set_epoch
         pool = min(self.POOL_SIZE, length)  # more images than a batch: sized here, not by the command line's check
-        check_fits_in_memory("--image-size", pool * 3 * image_size ** 2,
+        check_fits_in_memory(size_flag, pool * 3 * image_size ** 2,
                              f"--synthetic's {pool} distinct {image_size}x{image_size} images", memory_bytes())
         generator = torch.Generator().manual_seed(seed)
         # Interleaved pixels (channels-last), as decoded images are: see pipelines.stack_images.
@@ -250,8 +295,12 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> Sample:
-        return Sample(self.pool[index % len(self.pool)].clone(), index % self.num_classes, 0, -1, "")
+    def __getitem__(self, key) -> Sample:
+        index, _ = image_and_copy(key)
+        side = self.pool.shape[-1] if self.size_of_epoch is None else self.size_of_epoch(self.epoch)
+        # Copied as height x width x 3, so the image keeps the pool's interleaved layout at any side.
+        image = self.pool[index % len(self.pool), :, :side, :side].permute(1, 2, 0).clone().permute(2, 0, 1)
+        return Sample(image, index % self.num_classes, 0, -1, "")
 
 
 class _Loader(DataLoader):
@@ -293,7 +342,7 @@ class TrainSampler(Sampler):
 
     set_epoch(epoch, images_done) starts the epoch after its first
     `images_done` positions (a mid-epoch resume), and `limit` caps its steps
-    (--steps-per-epoch)."""
+    (--steps-per-epoch). A subclass changes only what the order holds (keys)."""
 
     def __init__(self, length: int, rank: int, world_size: int, batch_size: int, seed: int, accum_steps: int = 1):
         self.length = length
@@ -326,15 +375,48 @@ class TrainSampler(Sampler):
         self.steps = remaining
         return range(total - remaining, total)
 
+    def permutation(self) -> torch.Tensor:
+        """The epoch's permutation of the training set: a function of (seed, epoch)."""
+        return torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def keys(self, positions: range) -> list:
+        """The dataset keys at `positions` of the epoch's order."""
+        return self.permutation()[positions.start:positions.stop:positions.step].tolist()
+
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.length, generator=generator)
         start = self.images_done + self.rank
         stop = self.images_done + self.steps * self.global_batch
-        return iter(order[start:stop:self.world_size].tolist())
+        return iter(self.keys(range(start, stop, self.world_size)))
 
     def __len__(self) -> int:
         return self.steps * self.batch_size * self.accum_steps
+
+
+class RepeatedAugmentationSampler(TrainSampler):
+    """--ra-sampler: repeated augmentation (Hoffer et al. 2020; DeiT's and
+    torchvision's references' RASampler). The epoch's order is its permutation
+    with each image repeated `repetitions` (K) times in a row, keys (index,
+    copy), of which the epoch trains on the first `length` positions: the
+    first length/K images of the permutation, K times each. Cut into global
+    batches as TrainSampler cuts its order, position p goes to rank p mod
+    world_size: the K copies of an image go to K different ranks where there
+    are K or more, and each copy draws its own crop and flip (see
+    ImageFolderDataset). A function of (seed, epoch), the same prefix whatever
+    the world size: a mid-epoch resume continues it at any world size.
+    torchvision's pads the repeated order to a multiple of the world size and
+    keeps floor(length / 256) x 256 / world_size positions per rank; this one
+    keeps whole global batches of the first `length`."""
+
+    def __init__(self, length: int, rank: int, world_size: int, batch_size: int, seed: int, accum_steps: int = 1,
+                 repetitions: int = 3):
+        super().__init__(length, rank, world_size, batch_size, seed, accum_steps)
+        self.repetitions = repetitions
+
+    def keys(self, positions: range) -> list:
+        # Position arithmetic, not a repeated copy of the permutation: memory stays the set's, whatever K.
+        positions = positions.start + positions.step * torch.arange(len(positions))
+        images = self.permutation()[positions // self.repetitions]
+        return list(zip(images.tolist(), (positions % self.repetitions).tolist()))
 
 
 @dataclasses.dataclass
@@ -359,8 +441,8 @@ class Loaders:
         (seed, epoch) (see TrainSampler and ImageFolderDataset); a resumed
         epoch skips the `images_done` images already trained on. Returns the
         step numbers to run (see TrainSampler.set_epoch)."""
-        if isinstance(self.train.dataset, ImageFolderDataset):
-            self.train.dataset.epoch = epoch
+        if isinstance(self.train.dataset, (ImageFolderDataset, SyntheticImages)):
+            self.train.dataset.epoch = epoch  # the crops' seeds and, with --progressive-resizing, their size
         self.train.generator.manual_seed(derived_seed(self.seed, epoch, self.rank))  # worker seeds: unused by ours
         return self.train.sampler.set_epoch(epoch, images_done, limit)
 
@@ -393,11 +475,16 @@ def build_datasets(cfg: Config, ctx: Context,
                    decoder: Optional[JpegDecoder] = None) -> Tuple[Dataset, Dataset, List[str], List[str]]:
     """Training and validation sets, the class names, and what to tell the
     user about the data before training (Loaders.notes). `decoder`: see jpeg_decoder."""
+    sizes = cfg.crop_sizes
     if cfg.synthetic:
         classes = [f"class{index:04d}" for index in range(SYNTHETIC_CLASSES)]
-        train = SyntheticImages(IMAGENET_TRAIN_IMAGES, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed)
+        progressive = cfg.progressive_resizing is not None
+        train = SyntheticImages(IMAGENET_TRAIN_IMAGES, sizes.train_range[1], SYNTHETIC_CLASSES, cfg.seed,
+                                size_of_epoch=sizes.train if progressive else None,
+                                size_flag="--progressive-resizing" if progressive else "--image-size")
         val_length = SYNTHETIC_VAL_BATCHES * cfg.batch_size * ctx.replicas
-        val = SyntheticImages(val_length, cfg.image_size, SYNTHETIC_CLASSES, cfg.seed + 1)
+        val = SyntheticImages(val_length, sizes.val, SYNTHETIC_CLASSES, cfg.seed + 1,
+                              size_flag="--val-crop-size" if cfg.val_crop_size else "--image-size")
         # A habit of copied command lines; silence would suggest DATA was trained on.
         notes = [f"note: --synthetic: DATA {cfg.data} is not read; random images stand in for it"] if cfg.data else []
         if cfg.auto_augment or cfg.random_erase:  # a recipe's flags on a benchmark: said, not refused
@@ -406,24 +493,29 @@ def build_datasets(cfg: Config, ctx: Context,
         return train, val, classes, notes
     lists = find_lists(cfg.data, cfg.file_list, ctx)
     skip = cfg.bad_images == "skip"
+    by_epoch = (EpochPipelines(functools.partial(pipeline, cfg, True, decoder), sizes)
+                if cfg.progressive_resizing is not None else None)
     train = ImageFolderDataset(lists.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
-                               skip_bad_images=skip, workers=cfg.workers)
+                               skip_bad_images=skip, workers=cfg.workers, pipeline_of_epoch=by_epoch)
     val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip,
                              workers=cfg.workers)
     return train, val, lists.classes, lists.notes
 
 
-def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None) -> Callable:
+def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None,
+             image_size: Optional[int] = None) -> Callable:
     """Path -> pipelines.Loaded (image, bytes read, ...), as --data-backend
-    says (see common.pipelines); `decoder`: the run's (jpeg_decoder)."""
+    says (see common.pipelines); `decoder`: the run's (jpeg_decoder). Its
+    crop: `image_size`, else --image-size in training and the validation
+    crop (--val-crop-size) in validation."""
+    size = image_size or (cfg.image_size if train else cfg.crop_sizes.val)
     augmentation = ImageAugmentation.of(cfg.auto_augment, cfg.ra_magnitude, cfg.augmix_severity,
                                         cfg.random_erase) if train else None
     if cfg.data_backend == "pil":
-        return PILImages(train_transform(cfg.image_size, cfg.crop_scale, cfg.hflip, augmentation) if train else
-                         val_transform(cfg.image_size, cfg.val_resize))
+        return PILImages(train_transform(size, cfg.crop_scale, cfg.hflip, augmentation) if train else
+                         val_transform(size, cfg.val_resize))
     kind = {"gpu": EncodedImages, "dali": DaliImages}.get(cfg.data_backend, TensorImages)
-    return kind(train, cfg.image_size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder,
-                augmentation=augmentation)
+    return kind(train, size, cfg.crop_scale, cfg.hflip, cfg.val_resize, decoder=decoder, augmentation=augmentation)
 
 
 def jpeg_decoder(data_backend: str, synthetic: bool) -> Optional[JpegDecoder]:
@@ -445,11 +537,13 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
         raise UsageError(f"argument --data-backend: gpu decodes JPEGs on a CUDA GPU; this run is on the "
                          f"{ctx.device.type.upper()} (use torchvision)")
     # DALI first: a missing package is said before the data is scanned. It drives this process's device.
-    dali = (DaliDecoder(ctx.device, cfg.image_size, batch_size, cfg.workers)
+    dali = (DaliDecoder(ctx.device, batch_size, cfg.workers)
             if cfg.data_backend == "dali" and not cfg.synthetic else None)
     decoder = jpeg_decoder(cfg.data_backend, cfg.synthetic)
     train_set, val_set, classes, notes = build_datasets(cfg, ctx, decoder)
-    train_sampler = TrainSampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed, cfg.accum_steps)
+    sampler = (functools.partial(RepeatedAugmentationSampler, repetitions=cfg.ra_reps) if cfg.ra_sampler
+               else TrainSampler)  # --ra-sampler
+    train_sampler = sampler(len(train_set), ctx.rank, ctx.world_size, batch_size, cfg.seed, cfg.accum_steps)
     if train_sampler.steps_per_epoch() == 0:
         processes = f" x {ctx.world_size} processes" if ctx.world_size > 1 else ""
         flag, micro = ("--accum-steps", f" x --accum-steps {cfg.accum_steps}") if cfg.accum_steps > 1 else \

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from common import measure, preemption
 from common.augment import BatchMixing
 from common.checkpoint import Checkpointer, ResumePoint
+from common.config import CropSizes
 from common.data import BadImages, Loaders, derived_seed
 from common.device_input import DeviceInput
 from common.data_timeout import DataTimeout
@@ -255,6 +256,12 @@ class Trainer:
     profiled: bool = dataclasses.field(default=False, init=False)
     accum_steps: int = 1  # --accum-steps: micro-batches per optimizer step
     mixing: Optional[BatchMixing] = None  # --mixup-alpha, --cutmix-alpha: on each micro-batch
+    crop_sizes: Optional[CropSizes] = None  # each epoch's training crop, the validation crop; None: not recorded
+    val_flip: bool = False  # --val-flip: validation logits averaged over each image and its mirror image
+    compile: bool = False  # --compile: a new input size is compiled for (said once per size)
+    # Input sizes the model has met in this run, and the training crop said last (--progressive-resizing).
+    _sizes_met: set = dataclasses.field(default_factory=set, init=False)
+    _crop_said: Optional[int] = dataclasses.field(default=None, init=False)
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -268,7 +275,7 @@ class Trainer:
         self.model.train()
         images_done = start.images_done if start is not None else 0
         step_numbers = loaders.set_epoch(epoch, images_done, self.steps_per_epoch)
-        steps = step_numbers.stop
+        steps, image_size = step_numbers.stop, self._input_size(epoch, "train")  # the epoch's crop, said when new
         before = _PartialEpoch.from_dict(start.partial_epoch if start is not None else None)
         sums = MetricSums(self.ctx.device)
         progress = self.log.progress_meter("train", epoch, steps, first_step=step_numbers.start)
@@ -320,7 +327,7 @@ class Trainer:
         if lr is None and steps:  # every step ran before the checkpoint this run resumed from
             lr = self.schedule.lr(epoch, steps - 1, steps)
         metrics = EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
-                                           self.precision.status())
+                                           self.precision.status(), image_size=image_size)
         return TrainedEpoch(metrics, steps, images_done + len(step_numbers) * loaders.global_batch,
                             _PartialEpoch(totals=totals, timing=timing, bad_files=bad_files))
 
@@ -452,6 +459,7 @@ class Trainer:
             model = model.module
             broadcast_buffers_from_primary(model, self.ctx)
         model.eval()
+        val_size = self._input_size(epoch, "val")
         loader = loaders.val
         steps = len(loader)
         sums = MetricSums(self.ctx.device, loaders.num_classes)
@@ -469,6 +477,8 @@ class Trainer:
             if len(target):
                 with self.precision.autocast():
                     logits = model(images)
+                    if self.val_flip:  # FFCV's test-time flip; loss and accuracy of the mean
+                        logits = (logits + model(torch.flip(images, dims=[3]))) / 2
                     loss = self.criterion(logits, target)
                 sums.add(loss, logits, target, timed=timer.timing, **files)
             else:
@@ -482,8 +492,27 @@ class Trainer:
         report = sums.class_report(self.ctx)
         self.ctx.contact.heard(f"epoch {epoch}'s validation done")
         metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
-                                           time.time(), macro_f1=report.macro_f1)
+                                           time.time(), macro_f1=report.macro_f1, image_size=val_size)
         return metrics, report
+
+    def _input_size(self, epoch: int, split: str) -> Optional[int]:
+        """The side of `split`'s crops in epoch `epoch` (None: not known, a
+        Trainer used on its own), for its metrics row; under
+        --progressive-resizing each new training crop is said once, and under
+        --compile each size the compiled model meets for the first time."""
+        if self.crop_sizes is None:
+            return None
+        size = self.crop_sizes.train(epoch) if split == "train" else self.crop_sizes.val
+        new_to_compile = self.compile and bool(self._sizes_met) and size not in self._sizes_met
+        self._sizes_met.add(size)
+        compiling = " (--compile: compiled for this size, once)" if new_to_compile else ""
+        if split == "train" and self.crop_sizes.progressive is not None and size != self._crop_said:
+            self._crop_said = size
+            self.log.info(f"epoch {epoch}: training crop {size} px{compiling}")
+        elif compiling:
+            self.log.info(f"epoch {epoch}: {'training' if split == 'train' else 'validation'} crop {size} px"
+                          f"{compiling}")
+        return size
 
 
 def _report_bad_images(log: RunLog, ctx: Context, epoch: int, split: str, totals: MetricTotals,

@@ -62,6 +62,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     _add_model_flags(parser.add_argument_group("model"), mode)
     _add_data_flags(parser.add_argument_group("data"))
     _add_augmentation_flags(parser.add_argument_group("augmentation and mixing (docs/recipes.md)"))
+    _add_resolution_flags(parser.add_argument_group(
+        "resolution and sampling", "FixRes's training and validation sizes, FFCV's progressive resizing and "
+                                   "test-time flip, DeiT's repeated augmentation (docs/recipes.md)"))
     _add_optimisation_flags(parser.add_argument_group("optimisation"))
     _add_schedule_flags(parser.add_argument_group("learning-rate schedule"))
     _add_run_flags(parser.add_argument_group("run"))
@@ -112,12 +115,15 @@ def _add_data_flags(group) -> None:
                        help="data-loading worker processes per training process; more on a node than its cores is "
                             "a warning (they take turns), more than its memory holds (each with its own pages and "
                             "two prefetched batches) an error")
-    group.add_argument("--image-size", type=positive_int, default=224, metavar="PIXELS",
-                       help="side of the square training crop and of the validation centre crop (a batch of them as "
-                            "float32 input must fit in this machine's memory)")
-    group.add_argument("--val-resize", type=positive_int, default=256, metavar="PIXELS",
+    group.add_argument("--image-size", "--train-crop-size", dest="image_size", type=positive_int, default=224,
+                       metavar="PIXELS",
+                       help="side of the square training crop and, unless --val-crop-size says otherwise, of the "
+                            "validation centre crop (a batch of them as float32 input must fit in this machine's "
+                            "memory); --train-crop-size is torchvision's name for it")
+    group.add_argument("--val-resize", "--val-resize-size", dest="val_resize", type=positive_int, default=256,
+                       metavar="PIXELS",
                        help="validation images are resized so their short side is this, then centre-cropped (one "
-                            "such image must fit in this machine's memory)")
+                            "such image must fit in this machine's memory); --val-resize-size is torchvision's name")
     group.add_argument("--crop-scale", type=float_in(0.0, 1.0, True, False, "a fraction in (0, 1]"), nargs=2,
                        default=[0.08, 1.0], metavar=("MIN", "MAX"),
                        help="range of the image-area fraction the random training crop covers (the ImageNet "
@@ -191,6 +197,29 @@ def _add_augmentation_flags(group) -> None:
                            help=f"{what}, the share drawn from Beta(A, A), the targets mixed alike (soft targets); "
                                 f"0: off. With both, one of the two per batch (as torchvision's references). "
                                 f"Training top-1/top-5 then count the label with the larger share")
+def _add_resolution_flags(group) -> None:
+    group.add_argument("--val-crop-size", type=positive_int, default=None, metavar="PIXELS",
+                       help="side of the validation centre crop, cut from the image resized to --val-resize (at "
+                            "most that); default: --image-size. Larger than the training crop evaluates at the "
+                            "resolution the training crops' objects had (FixRes: train 176, test 224 of 232)")
+    group.add_argument("--progressive-resizing", type=non_negative_int, nargs=4, default=None,
+                       metavar=("MIN_PX", "MAX_PX", "START_EPOCH", "END_EPOCH"),
+                       help="FFCV's progressive resizing: the training crop is MIN_PX up to START_EPOCH, MAX_PX from "
+                            "END_EPOCH on, linear in between rounded to a multiple of --progressive-step (FFCV's "
+                            "ResNet-50: 160 192 11 13 of 16 epochs); replaces --image-size in training, which stays "
+                            "the validation crop's default. Each new size is said once; --compile compiles for it")
+    group.add_argument("--progressive-step", type=positive_int, default=32, metavar="PX",
+                       help="with --progressive-resizing: the sizes between MIN_PX and MAX_PX are multiples of this")
+    group.add_argument("--val-flip", action="store_true",
+                       help="test-time flip: validation (and --evaluate) averages the logits of each image and of "
+                            "its mirror image, and counts loss, top-1 and top-5 from the average (FFCV's; one more "
+                            "forward pass per batch)")
+    group.add_argument("--ra-sampler", action="store_true",
+                       help="repeated augmentation (DeiT's, torchvision's --ra-sampler): each epoch draws len/K images "
+                            "and trains on each K times (--ra-reps), each copy cropped and flipped on its own and, "
+                            "with K or more processes, on another process; the epoch keeps the training set's length")
+    group.add_argument("--ra-reps", type=positive_int, default=3, metavar="K",
+                       help="with --ra-sampler: copies of each drawn image per epoch")
 
 
 def _add_optimisation_flags(group) -> None:

@@ -255,11 +255,12 @@ class EpochMetrics:
     macro_f1: Optional[float] = None  # percent, validation only
     bad_images: Optional[int] = None  # unreadable image files met (--bad-images skip; listed in bad_images.csv)
     host_memory_mib: Optional[float] = None  # training process's resident memory at the split's end, max over processes
+    image_size: Optional[int] = None  # pixels: side of the split's crops (the epoch's, --progressive-resizing)
 
     @staticmethod
     def from_totals(epoch: int, split: str, totals: MetricTotals, timing: SplitTiming, replicas: int,
                     lr: Optional[float], wall_time: float, precision_status: Optional[dict] = None,
-                    macro_f1: Optional[float] = None) -> "EpochMetrics":
+                    macro_f1: Optional[float] = None, image_size: Optional[int] = None) -> "EpochMetrics":
         timed_steps = timing.steps - timing.warmup_steps
         images_per_second = totals.timed_count / timing.timed_seconds if timing.timed_seconds > 0 else float("nan")
         return EpochMetrics(
@@ -274,5 +275,5 @@ class EpochMetrics:
             images_per_second_per_gpu=images_per_second / replicas,
             warmup_steps=timing.warmup_steps, peak_memory_mib=timing.peak_memory_mib,
             dataset_bytes=totals.file_bytes, macro_f1=macro_f1, bad_images=totals.bad_images,
-            host_memory_mib=timing.host_memory_mib,
+            host_memory_mib=timing.host_memory_mib, image_size=image_size,
         )

@@ -4,7 +4,7 @@ finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import torch
@@ -30,24 +30,30 @@ def _input_size_kwargs(arch: str, image_size: int) -> dict:
     return {}
 
 
-def _check_input_size(arch: str, num_classes: int, image_size: int, kwargs: dict) -> None:
-    """Run the architecture once on the meta device (shapes only: no memory, no
-    compute), so an image size the model cannot take is one line at start-up,
-    not a traceback at the first step."""
+def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, int]], kwargs: dict) -> None:
+    """Run the architecture on the meta device (shapes only: no memory, no
+    compute) at each (flag, side) of `sizes`, so an image size the model
+    cannot take is one line at start-up naming the flag that asks for it,
+    not a traceback at the first step (or at the first validation)."""
     try:
         with torch.device("meta"):
-            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
-            twin.eval()(torch.empty(2, 3, image_size, image_size))
+            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs).eval()
     except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
         return
-    except TypeError as error:
-        if "dropout" in str(error):
+    except Exception as error:  # a setting it lacks (TypeError), a size it refuses (ViT's patches: AssertionError)
+        if isinstance(error, TypeError) and "dropout" in str(error):
             raise UsageError(f"argument --dropout: {arch} has no dropout setting (leave --dropout out)") from None
-        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images "
+        raise UsageError(f"argument --image-size: {arch} cannot take {sizes[0][1]}-pixel images "
                          f"({error_summary(error)})") from None
-    except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
-        raise UsageError(f"argument --image-size: {arch} cannot take {image_size}-pixel images "
-                         f"({error_summary(error)})") from None
+    for flag, image_size in sizes:
+        try:
+            with torch.device("meta"):
+                twin(torch.empty(2, 3, image_size, image_size))
+        except NotImplementedError:
+            return
+        except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
+            raise UsageError(f"argument {flag}: {arch} cannot take {image_size}-pixel images "
+                             f"({error_summary(error)})") from None
 
 
 def check_one_image_per_step(arch: str, image_size: int) -> None:
@@ -68,9 +74,11 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
 
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224,
-                dropout: Optional[float] = None) -> nn.Module:
+                dropout: Optional[float] = None, other_sizes: Sequence[Tuple[str, int]] = ()) -> nn.Module:
     """A torchvision classifier with `num_classes` outputs for square
-    `image_size` inputs (and classifier `dropout`, when given).
+    `image_size` inputs (and classifier `dropout`, when given); checked to
+    take the `other_sizes` too, (flag, side) pairs (config.CropSizes.model_inputs:
+    the validation crop, progressive resizing's smallest and largest crops).
 
     With `pretrained`, torchvision's default ImageNet weights are loaded from
     the torch hub cache (downloaded when the machine can); if the class count
@@ -85,7 +93,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
     dropout_kwargs = {"dropout": dropout} if dropout is not None else {}
     kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **dropout_kwargs}
-    _check_input_size(arch, num_classes, image_size, kwargs)
+    _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs)
     if not pretrained:
         return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 

@@ -80,7 +80,8 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
                        channels_last=plan.channels_last, steps_per_epoch=cfg.steps_per_epoch,
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
-                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps, mixing=mixing)
+                       profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps, crop_sizes=cfg.crop_sizes,
+                       val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing)
 
     def resume(auto_dir: Optional[Path]) -> ResumePoint:  # --resume: where the checkpoint stopped, to the step
         return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,

@@ -161,7 +161,7 @@ def test_dali_cuts_the_torchvision_backends_crops_within_a_few_gray_levels(jpegs
     # Full-size decoding in the workers too (the CMYK file), as torchvision_images does.
     batch = encoded_batch(jpegs, DaliImages(train, size, val_resize=256, reduced_decode=False))
     assert batch.is_jpeg == [True] * (len(jpegs) - 2) + [False, False]  # CMYK and PNG: finished in the worker
-    decoder = dali.DaliDecoder(torch.device("cpu"), size, max_batch=len(jpegs), threads=2)
+    decoder = dali.DaliDecoder(torch.device("cpu"), max_batch=len(jpegs), threads=2)
     got = batch.decode(torch.device("cpu"), decoder)
     expected = torchvision_images(jpegs, train, size)
     assert got.shape == expected.shape == (len(jpegs), 3, size, size) and got.dtype == torch.uint8
@@ -195,7 +195,7 @@ def test_a_file_dali_refuses_costs_one_warning_and_a_cpu_decode_not_the_run(tmp_
     for path in files:
         path.write_bytes(good)
     pipeline = DaliImages(True, 16)
-    decoder = dali.DaliDecoder(torch.device("cpu"), 16, max_batch=3, threads=1)
+    decoder = dali.DaliDecoder(torch.device("cpu"), max_batch=3, threads=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         healthy = encoded_batch([str(path) for path in files], pipeline).decode(torch.device("cpu"), decoder)
@@ -293,8 +293,8 @@ def test_the_gpu_decodes_the_cpu_decoders_crops_within_a_few_gray_levels(jpegs):
     with warnings.catch_warnings():
         warnings.simplefilter("error", device_input.GPUDecodeFallback)  # DALI's GPU decode, not the CPU's stand-in
         on_gpu = batch.decode(torch.device("cuda"),
-                              dali.DaliDecoder(torch.device("cuda"), 224, len(jpegs), 4, libjpeg_chroma=True))
-    on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), 224, len(jpegs), 2))
+                              dali.DaliDecoder(torch.device("cuda"), len(jpegs), 4, libjpeg_chroma=True))
+    on_cpu = batch.decode(torch.device("cpu"), dali.DaliDecoder(torch.device("cpu"), len(jpegs), 2))
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
     difference = (on_gpu.cpu().int() - on_cpu.int()).abs().double()
     # nvJPEG and the hardware decoder use their own IDCTs (the chroma upsampling is set to libjpeg's here; a

@@ -218,7 +218,9 @@ def check_config(cfg, mode: str) -> None:
     assert 0 <= cfg.momentum < 1 and 0 <= cfg.label_smoothing < 1 and 0 <= cfg.hflip <= 1
     assert 0 <= cfg.weight_decay < math.inf and 0 <= cfg.io_interval < math.inf
     assert 0 <= cfg.warmup_epochs <= cfg.epochs
-    assert 1 <= cfg.image_size <= cfg.val_resize
+    assert cfg.image_size >= 1 and 1 <= cfg.crop_sizes.val <= cfg.val_resize  # the val crop fits the resized image
+    assert cfg.progressive_resizing is None or (1 <= cfg.progressive_resizing[0] <= cfg.progressive_resizing[1] and
+                                                cfg.progressive_resizing[2] <= cfg.progressive_resizing[3])
     assert isinstance(cfg.crop_scale, tuple) and 0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1
     assert isinstance(cfg.lr_steps, tuple) and list(cfg.lr_steps) == sorted(set(cfg.lr_steps)) and min(cfg.lr_steps) >= 1
     assert cfg.desired_acc is None or 0 < cfg.desired_acc <= 100
