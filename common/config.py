@@ -31,6 +31,14 @@ MAX_DATA_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a week; more would overflow the cl
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
+# --lr-schedule's choices (common.schedules), and the spellings of torchvision's references' --lr-scheduler
+# that name one of them (they lower-case theirs too).
+LR_SCHEDULES = ("step", "cosine", "linear")
+LR_SCHEDULE_ALIASES = {"steplr": "step", "cosineannealinglr": "cosine"}
+# --lr-warmup-method's choices: torchvision's LinearLR and ConstantLR, per step here.
+WARMUP_METHODS = ("linear", "constant")
+CONSTANT_WARMUP_DECAY = 0.01  # --lr-warmup-decay's default for the constant method: torchvision's
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -103,6 +111,15 @@ class Config:
     # DDP's gradient bucket size in MB; None: DDP's default (25 MB, and a first bucket of 1 MiB)
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False  # DDP's static_graph: the same parameters train every step
+    # The optimiser and the schedule's recipe options (docs/recipes.md, "Optimiser and schedules"):
+    norm_weight_decay: Optional[float] = None  # weight decay of normalisation layers' weights and biases; None: --wd
+    bias_weight_decay: Optional[float] = None  # weight decay of the other biases; None: --wd
+    nesterov: bool = False  # SGD's Nesterov momentum
+    clip_grad_norm: Optional[float] = None  # the largest L2 norm of all gradients together, per step; None: no clip
+    warmup_method: str = "linear"  # linear | constant: the rate during --warmup-epochs (WARMUP_METHODS)
+    warmup_decay: Optional[float] = None  # the warm-up's starting factor of the rate; None: see common.schedules
+    lr_min: float = 0.0  # the schedule's floor, for a global batch of 256 (scaled linearly, as --lr)
+    blurpool: bool = False  # a fixed blur before every strided convolution of >= 16 input channels (FFCV's BlurPool)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
