@@ -24,8 +24,9 @@ def test_a_run_with_every_optimiser_option_resumed_mid_epoch_ends_as_the_uninter
     mid_epoch = run_dir / "checkpoint-epoch001-images00000008.pth.tar"  # after 2 of epoch 1's 6 steps
     state = load_checkpoint(mid_epoch)
     assert (state["epoch"], state["step"]) == (1, 2)
-    assert [(group["group"], group["weight_decay"], group["nesterov"]) for group in state["optimizer"]["param_groups"]] \
-        == [("other", 1e-4, True), ("norm", 0.0, True), ("bias", 0.0005, True)]
+    groups = state["optimizer"]["param_groups"]
+    assert [(group["group"], group["weight_decay"], group["nesterov"]) for group in groups] == \
+        [("other", 1e-4, True), ("norm", 0.0, True), ("bias", 0.0005, True)]
     assert any(key.endswith(".1.weight") for key in state["state_dict"])  # convolutions behind their blur
 
     rest = run_script(["imagenet_nd.py", *run, "--resume", mid_epoch])

@@ -76,7 +76,8 @@ def test_the_schedule_is_said_in_words():
         "linear schedule from the peak after warm-up to 0 at the last step; linear warm-up over 2 epoch(s), "
         "per step, from 0.0001 x the rate")
     assert LRSchedule(0.2, 10, kind="cosine", min_lr=0.002, warmup_epochs=5, warmup_method="constant").describe() \
-        == "cosine schedule to 0.002 at the end of epoch 9; constant warm-up over 5 epoch(s), per step, at 0.01 x the rate"
+        == ("cosine schedule to 0.002 at the end of epoch 9; constant warm-up over 5 epoch(s), per step, at 0.01 x "
+            "the rate")
 
 
 def test_the_plan_scales_the_floor_as_the_rate_and_makes_the_schedule():
@@ -311,7 +312,7 @@ def test_the_blur_keeps_a_constant_image_and_spreads_a_point_as_1_2_1():
     assert list(blur.parameters()) == [] and blur.state_dict() == {}  # a fixed buffer, not saved
 
 
-@pytest.mark.parametrize("arch, blurs", [("resnet50", 6), ("mobilenet_v3_small", 4), ("mobilenet_v2", 4)])
+@pytest.mark.parametrize("arch, blurs", [("resnet50", 6), ("mobilenet_v3_small", 4)])
 def test_blurpool_goes_before_every_strided_convolution_of_16_channels_or_more(arch, blurs):
     with torch.device("meta"):  # shapes and counts only
         plain, blurred = build_model(arch, 10, image_size=64), build_model(arch, 10, image_size=64, blurpool=True)
