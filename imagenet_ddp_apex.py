@@ -30,12 +30,13 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
     policy = precision.build_policy(cfg.opt_level, cfg.amp_dtype, ctx.device, cfg.keep_batchnorm_fp32,
-                                    cfg.loss_scale)  # --opt-level: Apex's O0..O3 with native AMP
+                                    cfg.loss_scale, clip_grad_norm=cfg.clip_grad_norm)  # --opt-level: Apex's O0..O3
     plan = session.Plan.of(cfg, ctx, policy)  # global batch, scaled lr, memory format: derived once
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
-                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs())
+                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs(),
+                               blurpool=cfg.blurpool)
     model = policy.prepare_model(model.to(ctx.device, memory_format=plan.memory_format))  # O3: the model in half
     model = models.compiled(model, cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
@@ -45,7 +46,8 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     model, comm_hook = comm.distributed_model(model, cfg, ctx)
 
     optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay,  # fused on GPUs, not under fp16 scaling
-                           loss_scaling=policy.scales_loss)
+                           loss_scaling=policy.scales_loss, nesterov=cfg.nesterov,
+                           norm_weight_decay=cfg.norm_weight_decay, bias_weight_decay=cfg.bias_weight_decay)
     session.run(plan, ctx, log, model, optimizer, policy, loaders, comm_hook)  # resume, train, validate; or --evaluate
 
 

@@ -25,16 +25,18 @@ def main(argv=None):
 def train(cfg: config.Config, ctx: distributed.Context) -> None:
     log = telemetry.RunLog(ctx)
     engine.seed_everything(cfg.seed, cfg.deterministic)
-    policy = precision.FP32()
+    policy = precision.FP32(cfg.clip_grad_norm)  # --clip-grad-norm: in the policy's step
     plan = session.Plan.of(cfg, ctx, policy)  # global batch, scaled lr, memory format: derived once
 
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
-                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs())
+                               dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs(),
+                               blurpool=cfg.blurpool)
     model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     # One device: the model is used as it is (imagenet_dp.py and imagenet_ddp.py wrap it here).
 
-    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay)  # fused on GPUs
+    optimizer = engine.sgd(model, plan.lr, cfg.momentum, cfg.weight_decay, nesterov=cfg.nesterov,  # fused on GPUs
+                           norm_weight_decay=cfg.norm_weight_decay, bias_weight_decay=cfg.bias_weight_decay)
     session.run(plan, ctx, log, model, optimizer, policy, loaders)  # resume, train, validate; or --evaluate
 
 

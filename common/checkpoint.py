@@ -350,7 +350,9 @@ _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "la
                    "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
                    "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "auto_augment",
                    "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
-                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps")
+                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
+                   "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
+                   "warmup_decay", "lr_min", "blurpool")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:
@@ -373,21 +375,16 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
     if path is None:
         return ResumePoint(start_epoch=cfg.start_epoch)
     state = state if state is not None else load(path)  # --resume auto's primary has read it already
+    blurred = bool((state.get("config") or {}).get("blurpool", False))
+    if blurred != cfg.blurpool:  # the models' modules differ: said before their weights fail to fit
+        raise UsageError(f"argument --resume: {path} holds a model trained {'with' if blurred else 'without'} "
+                         f"--blurpool; {'add' if blurred else 'leave out'} --blurpool")
     load_model_weights(state, model, cfg.arch, classes, "--resume", path)
     if state.get("seed", cfg.seed) != cfg.seed:
         raise UsageError(f"argument --seed: {cfg.seed} is not the seed of {path} ({state['seed']}); an exact "
                          f"resume replays that seed's order and crops: pass --seed {state['seed']}")
     if "optimizer" in state:
-        # The saved groups carry how the saving run stepped (fused on a GPU, foreach or not): this
-        # run's device decides that, not the checkpoint's.
-        implementation = {key: optimizer.defaults[key] for key in ("fused", "foreach") if key in optimizer.defaults}
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise UsageError(f"argument --resume: the optimizer state in {path} does not fit this run's "
-                             f"optimizer ({error_summary(error)})") from None
-        for group in optimizer.param_groups:
-            group.update(implementation)
+        _load_optimizer_state(optimizer, state["optimizer"], path)
     precision.load_state_dict(state.get("precision") or {})
     if comm_hook is not None:
         note = comm_hook.load_state_dict(state.get("comm_hook"), ctx, ctx.device)
@@ -407,6 +404,36 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
     )
     _say_where(cfg, ctx, state, start, log, global_batch, lr)
     return start
+
+
+# What this run's flags set in each parameter group, and its device (fused on a GPU, foreach or not): a
+# resume keeps them, not the saved groups' values (torch's load_state_dict would take those).
+_RUN_GROUP_KEYS = ("weight_decay", "momentum", "nesterov", "fused", "foreach")
+
+
+def _load_optimizer_state(optimizer: Optimizer, saved: dict, path: str) -> None:
+    """The saved optimizer state (momentum buffers) into `optimizer`, whose
+    parameter groups (common.engine.parameter_groups: --norm-weight-decay,
+    --bias-weight-decay) must be the saved ones: torch matches parameters by
+    their position in the groups, so another grouping would give one
+    parameter's momentum to another."""
+    def kinds(groups) -> list:
+        return [str(group.get("group", "all")) if isinstance(group, dict) else "?" for group in groups]
+
+    saved_kinds = kinds((saved.get("param_groups") if isinstance(saved, dict) else None) or [])
+    kinds_now = kinds(optimizer.param_groups)
+    if saved_kinds != kinds_now:
+        raise UsageError(f"argument --resume: the optimizer state in {path} has the parameter groups "
+                         f"{', '.join(saved_kinds)}, this run's are {', '.join(kinds_now)}; give the "
+                         f"--norm-weight-decay and --bias-weight-decay of the checkpoint's run (given or not)")
+    own = [{key: group[key] for key in _RUN_GROUP_KEYS if key in group} for group in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise UsageError(f"argument --resume: the optimizer state in {path} does not fit this run's "
+                         f"optimizer ({error_summary(error)})") from None
+    for group, values in zip(optimizer.param_groups, own):
+        group.update(values)
 
 
 def _say_where(cfg: Config, ctx: Context, state: dict, start: ResumePoint, log, global_batch: int, lr: float) -> None:

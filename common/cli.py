@@ -190,6 +190,11 @@ def _check_training_flags(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --lr-steps: epochs must be increasing, got {' '.join(map(str, ns.lr_steps))}")
     if ns.warmup_epochs > ns.epochs:
         raise UsageError(f"argument --warmup-epochs: {ns.warmup_epochs:g} is more than --epochs {ns.epochs}")
+    if ns.lr_min > ns.lr:
+        raise UsageError(f"argument --lr-min: {ns.lr_min:g} is above --lr {ns.lr:g} (both per 256 images): the "
+                         f"floor must not be above the peak")
+    if ns.nesterov and ns.momentum == 0:
+        raise UsageError("argument --nesterov: Nesterov momentum needs a --momentum above 0 (this run: 0)")
 
 
 def _check_augmentation_flags(ns: argparse.Namespace) -> None:

@@ -34,6 +34,13 @@ DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 # --auto-augment's choices, torchvision's references' names: TrivialAugmentWide, RandAugment, AugMix and
 # AutoAugment's ImageNet policy (torchvision.transforms.v2; common.augment makes them).
 AUTO_AUGMENT_POLICIES = ("ta_wide", "ra", "augmix", "imagenet")
+# --lr-schedule's choices (common.schedules), and the spellings of torchvision's references' --lr-scheduler
+# that name one of them (they lower-case theirs too).
+LR_SCHEDULES = ("step", "cosine", "linear")
+LR_SCHEDULE_ALIASES = {"steplr": "step", "cosineannealinglr": "cosine"}
+# --lr-warmup-method's choices: torchvision's LinearLR and ConstantLR, per step here.
+WARMUP_METHODS = ("linear", "constant")
+CONSTANT_WARMUP_DECAY = 0.01  # --lr-warmup-decay's default for the constant method: torchvision's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,15 @@ class Config:
     val_flip: bool = False  # validation logits averaged over each image and its mirror image
     ra_sampler: bool = False  # repeated augmentation: each drawn training image ra_reps times an epoch
     ra_reps: int = 3  # copies of each drawn image with --ra-sampler, each augmented on its own
+    # The optimiser and the schedule's recipe options (docs/recipes.md, "Optimiser and schedules"):
+    norm_weight_decay: Optional[float] = None  # weight decay of normalisation layers' weights and biases; None: --wd
+    bias_weight_decay: Optional[float] = None  # weight decay of the other biases; None: --wd
+    nesterov: bool = False  # SGD's Nesterov momentum
+    clip_grad_norm: Optional[float] = None  # the largest L2 norm of all gradients together, per step; None: no clip
+    warmup_method: str = "linear"  # linear | constant: the rate during --warmup-epochs (WARMUP_METHODS)
+    warmup_decay: Optional[float] = None  # the warm-up's starting factor of the rate; None: see common.schedules
+    lr_min: float = 0.0  # the schedule's floor, for a global batch of 256 (scaled linearly, as --lr)
+    blurpool: bool = False  # a fixed blur before every strided convolution of >= 16 input channels (FFCV's BlurPool)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

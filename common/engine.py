@@ -87,16 +87,52 @@ def seed_generators(seed: int, devices) -> None:
             torch.cuda.default_generators[index].manual_seed(seed)
 
 
-def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float,
-        loss_scaling: bool = False) -> torch.optim.SGD:
-    """SGD with momentum and weight decay, in as few kernel launches as the
-    parameters' device allows (sgd_implementation). The same arithmetic as
-    the per-parameter loop, within floating-point rounding. `loss_scaling`:
-    a GradScaler (fp16) may skip steps."""
+# Normalisation layers, by module type, as torchvision's references' set_weight_decay finds them
+# (SyncBatchNorm is a _BatchNorm; ConvNeXt's LayerNorm2d a LayerNorm).
+NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+               nn.LocalResponseNorm)
+
+
+def sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float, loss_scaling: bool = False, *,
+        nesterov: bool = False, norm_weight_decay: Optional[float] = None,
+        bias_weight_decay: Optional[float] = None) -> torch.optim.SGD:
+    """SGD with momentum and weight decay (per parameter_groups), in as few
+    kernel launches as the parameters' device allows (sgd_implementation).
+    The same arithmetic as the per-parameter loop, within floating-point
+    rounding. `loss_scaling`: a GradScaler (fp16) may skip steps."""
     parameters = list(model.parameters())
     on_gpu = bool(parameters) and all(parameter.is_cuda for parameter in parameters)
-    return torch.optim.SGD(parameters, lr=lr, momentum=momentum, weight_decay=weight_decay,
+    return torch.optim.SGD(parameter_groups(model, weight_decay, norm_weight_decay, bias_weight_decay), lr=lr,
+                           momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
                            **sgd_implementation(on_gpu, loss_scaling))
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: Optional[float] = None,
+                     bias_weight_decay: Optional[float] = None) -> list:
+    """The model's parameters as SGD takes them: all in one group (the
+    parameters themselves, as before these flags) unless --norm-weight-decay
+    or --bias-weight-decay is given; then a group per kind that has any, in
+    the order other, norm, bias, each named by its "group" key (which a
+    resume compares): normalisation layers' weights and biases (NORM_LAYERS)
+    when --norm-weight-decay is given, else the biases among the others."""
+    if norm_weight_decay is None and bias_weight_decay is None:
+        return list(model.parameters())
+    decays = {"other": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
+    members = {kind: [] for kind in decays}
+    seen = set()  # a parameter shared by two modules joins one group
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            if norm_weight_decay is not None and isinstance(module, NORM_LAYERS):
+                members["norm"].append(parameter)
+            elif bias_weight_decay is not None and name == "bias":
+                members["bias"].append(parameter)
+            else:
+                members["other"].append(parameter)
+    return [{"params": params, "weight_decay": decays[kind], "group": kind}
+            for kind, params in members.items() if params]
 
 
 def sgd_implementation(on_gpu: bool, loss_scaling: bool) -> dict:

@@ -14,8 +14,9 @@ import textwrap
 from typing import Tuple, Union
 
 from common.architectures import available_architectures
-from common.config import (AUTO_AUGMENT_POLICIES, DATA_BACKENDS, DATA_TIMEOUT_SECONDS, DDP_COMM_HOOKS,
-                           MAX_DATA_TIMEOUT_SECONDS, MODES, PREEMPT_SIGNALS)
+from common.config import (AUTO_AUGMENT_POLICIES, CONSTANT_WARMUP_DECAY, DATA_BACKENDS, DATA_TIMEOUT_SECONDS,
+                           DDP_COMM_HOOKS, LR_SCHEDULE_ALIASES, LR_SCHEDULES, MAX_DATA_TIMEOUT_SECONDS, MODES,
+                           PREEMPT_SIGNALS, WARMUP_METHODS)
 from common.arguments import (Parser, float_in, int_at_least, non_negative_float, non_negative_int, percent,
                               positive_float, positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, program
@@ -104,6 +105,11 @@ def _add_model_flags(group, mode: str) -> None:
                             "(NCHW) otherwise")
     group.add_argument("--channels-last", dest="memory_format", action="store_const", const="channels_last",
                        help="the same as --memory-format channels_last")
+    group.add_argument("--blurpool", action="store_true",
+                       help="anti-aliased downsampling (FFCV's BlurPool): a fixed [1,2,1]x[1,2,1]/16 blur per channel "
+                            "(reflect padding) before every convolution with a stride above 1 and 16 or more input "
+                            "channels; no parameters added. Refused for an architecture that has no such convolution "
+                            "(VGG, AlexNet, SqueezeNet, DenseNet, GoogLeNet, ViT, Swin)")
     if mode != "dp":  # nn.DataParallel copies the model to every GPU at each step: torch.compile does not follow
         group.add_argument("--compile", action="store_true",
                            help="compile the model with torch.compile (the first steps take minutes while it "
@@ -235,6 +241,16 @@ def _add_optimisation_flags(group) -> None:
     group.add_argument("--momentum", type=unit_interval, default=0.9, metavar="M", help="SGD momentum")
     group.add_argument("--wd", "--weight-decay", dest="weight_decay", type=non_negative_float, default=1e-4,
                        metavar="W", help="weight decay")
+    group.add_argument("--norm-weight-decay", type=non_negative_float, default=None, metavar="W",
+                       help="weight decay of normalisation layers' weights and biases (BatchNorm, GroupNorm, "
+                            "LayerNorm, InstanceNorm: torchvision's references' set_weight_decay); default: --wd")
+    group.add_argument("--bias-weight-decay", type=non_negative_float, default=None, metavar="W",
+                       help="weight decay of the other biases (all biases when --norm-weight-decay is not given); "
+                            "default: --wd")
+    group.add_argument("--nesterov", action="store_true", help="Nesterov momentum (needs --momentum above 0)")
+    group.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="MAX",
+                       help="scale the gradients down to this L2 norm (of all of them together) when above it, each "
+                            "step: after DDP's exchange, --accum-steps' last micro-batch and fp16's unscaling")
     group.add_argument("--label-smoothing", type=unit_interval, default=0.0, metavar="EPS",
                        help="label smoothing of the cross-entropy loss")
     group.add_argument("--accum-steps", type=positive_int, default=1, metavar="N",
@@ -244,14 +260,35 @@ def _add_optimisation_flags(group) -> None:
 
 
 def _add_schedule_flags(group) -> None:
-    group.add_argument("--lr-schedule", choices=("step", "cosine"), default="step",
-                       help="step: x0.1 at each of --lr-steps; cosine: half-cosine to 0 over the epochs "
-                            "after warm-up")
+    group.add_argument("--lr-schedule", "--lr-scheduler", dest="lr_schedule", type=_schedule_name,
+                       choices=LR_SCHEDULES, default="step",
+                       help="step: x0.1 at each of --lr-steps; cosine: half-cosine to --lr-min over the epochs "
+                            "after warm-up; linear: FFCV's per-step ramp, from the peak at the end of warm-up "
+                            "straight down to --lr-min at the last step. --lr-scheduler also takes torchvision's "
+                            "spellings: " + ", ".join(f"{alias} ({name})"
+                                                      for alias, name in LR_SCHEDULE_ALIASES.items()))
     group.add_argument("--lr-steps", type=positive_int, nargs="+", default=[30, 60, 80], metavar="EPOCH",
                        help="epochs at which the step schedule multiplies the rate by 0.1")
-    group.add_argument("--warmup-epochs", type=non_negative_float, default=0.0, metavar="E",
-                       help="linear warm-up from lr/steps to lr over this many epochs, per step "
-                            "(5 is usual for global batches above 1024)")
+    group.add_argument("--warmup-epochs", "--lr-warmup-epochs", dest="warmup_epochs", type=non_negative_float,
+                       default=0.0, metavar="E",
+                       help="warm-up over this many epochs, per step (5 is usual for global batches above 1024)")
+    group.add_argument("--lr-warmup-method", dest="warmup_method", choices=WARMUP_METHODS, default="linear",
+                       help="linear: the rate climbs per step to the peak (from lr/warm-up steps, or from "
+                            "--lr-warmup-decay x lr); constant: --lr-warmup-decay x the rate until warm-up ends "
+                            "(torchvision's LinearLR and ConstantLR)")
+    group.add_argument("--lr-warmup-decay", dest="warmup_decay", default=None, metavar="F",
+                       type=float_in(0.0, 1.0, True, False, "a factor in (0, 1]"),
+                       help=f"the warm-up's starting factor of the rate, as torchvision's (default: linear from "
+                            f"1/warm-up steps; constant {CONSTANT_WARMUP_DECAY:g})")
+    group.add_argument("--lr-min", type=non_negative_float, default=0.0, metavar="LR",
+                       help="the schedule's floor, for a global batch of 256 and scaled as --lr: cosine decays to it, "
+                            "step never goes below it, linear ends at it; warm-up may start below it")
+
+
+def _schedule_name(text: str) -> str:
+    """--lr-scheduler's spellings: torchvision's (steplr, cosineannealinglr), any case, as the project's names."""
+    name = text.strip().lower()
+    return LR_SCHEDULE_ALIASES.get(name, name)
 
 
 def _add_run_flags(group) -> None:

@@ -1,6 +1,7 @@
 """Model builders over torchvision.models: any classification architecture,
-from scratch or from torchvision's ImageNet weights, and the helper that
-finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
+from scratch or from torchvision's ImageNet weights, with FFCV's BlurPool
+when asked, and the helper that finds the plain model inside DataParallel /
+DDP / torch.compile wrappers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ from urllib.parse import urlparse
 import torch
 import torchvision
 from torch import nn
+from torch.nn import functional
 
 from common.architectures import available_architectures
 from common.errors import UsageError, error_summary
@@ -30,14 +32,66 @@ def _input_size_kwargs(arch: str, image_size: int) -> dict:
     return {}
 
 
-def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, int]], kwargs: dict) -> None:
+# FFCV's BlurPool: only strided convolutions of at least this many input channels are blurred first (their
+# rule: a network's stem, on the three colours, keeps its own).
+BLURPOOL_MIN_CHANNELS = 16
+
+
+class Blur(nn.Module):
+    """A fixed [1, 2, 1] x [1, 2, 1] / 16 low-pass filter on each channel
+    (stride 1, reflect padding: a constant image stays that constant), the
+    anti-aliasing BlurPool puts before a strided convolution (Zhang, "Making
+    convolutional networks shift-invariant again", 2019; FFCV pads with
+    zeros). Its kernel is a buffer, not a parameter: nothing to train, decay
+    or save (not in state_dict), derived from the channel count."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        taps = torch.tensor([1.0, 2.0, 1.0])
+        kernel = torch.outer(taps, taps) / 16.0
+        self.register_buffer("kernel", kernel.expand(channels, 1, 3, 3).clone(), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # a depthwise (grouped) convolution
+        padded = functional.pad(images, (1, 1, 1, 1), mode="reflect")
+        return functional.conv2d(padded, self.kernel, groups=self.kernel.shape[0])
+
+
+def add_blurpool(model: nn.Module, arch: str) -> nn.Module:
+    """--blurpool: `model` with every nn.Conv2d of stride above 1 and at
+    least BLURPOOL_MIN_CHANNELS input channels replaced by Sequential(Blur,
+    that convolution) (its weights then named <conv>.1.weight). An
+    architecture without one is the user's mistake, in one line."""
+    def blur(module: nn.Module) -> int:
+        count = 0
+        for name, child in module.named_children():
+            if (isinstance(child, nn.Conv2d) and max(child.stride) > 1
+                    and child.in_channels >= BLURPOOL_MIN_CHANNELS):
+                setattr(module, name, nn.Sequential(Blur(child.in_channels), child))
+                count += 1
+            else:
+                count += blur(child)
+        return count
+
+    if not blur(model):
+        raise UsageError(f"argument --blurpool: {arch} has no convolution with a stride above 1 and "
+                         f"{BLURPOOL_MIN_CHANNELS} or more input channels to blur before; leave --blurpool out")
+    return model
+
+
+def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, int]], kwargs: dict,
+                       blurpool: bool = False) -> None:
     """Run the architecture on the meta device (shapes only: no memory, no
     compute) at each (flag, side) of `sizes`, so an image size the model
     cannot take is one line at start-up naming the flag that asks for it,
-    not a traceback at the first step (or at the first validation)."""
+    not a traceback at the first step (or at the first validation);
+    --blurpool's too (a blur needs maps of 2 pixels or more), and an
+    architecture it cannot apply to."""
     try:
         with torch.device("meta"):
-            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs).eval()
+            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+            twin = (add_blurpool(twin, arch) if blurpool else twin).eval()
+    except UsageError:  # --blurpool on an architecture without a strided convolution
+        raise
     except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
         return
     except Exception as error:  # a setting it lacks (TypeError), a size it refuses (ViT's patches: AssertionError)
@@ -45,6 +99,7 @@ def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, i
             raise UsageError(f"argument --dropout: {arch} has no dropout setting (leave --dropout out)") from None
         raise UsageError(f"argument --image-size: {arch} cannot take {sizes[0][1]}-pixel images "
                          f"({error_summary(error)})") from None
+    with_blurpool = " with --blurpool" if blurpool else ""
     for flag, image_size in sizes:
         try:
             with torch.device("meta"):
@@ -52,7 +107,7 @@ def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, i
         except NotImplementedError:
             return
         except Exception as error:  # shape errors: RuntimeError, AssertionError, ValueError, ...
-            raise UsageError(f"argument {flag}: {arch} cannot take {image_size}-pixel images "
+            raise UsageError(f"argument {flag}: {arch}{with_blurpool} cannot take {image_size}-pixel images "
                              f"({error_summary(error)})") from None
 
 
@@ -74,9 +129,11 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
 
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224,
-                dropout: Optional[float] = None, other_sizes: Sequence[Tuple[str, int]] = ()) -> nn.Module:
+                dropout: Optional[float] = None, other_sizes: Sequence[Tuple[str, int]] = (),
+                blurpool: bool = False) -> nn.Module:
     """A torchvision classifier with `num_classes` outputs for square
-    `image_size` inputs (and classifier `dropout`, when given); checked to
+    `image_size` inputs (and classifier `dropout`, when given; `blurpool`:
+    add_blurpool, after any pretrained weights are loaded); checked to
     take the `other_sizes` too, (flag, side) pairs (config.CropSizes.model_inputs:
     the validation crop, progressive resizing's smallest and largest crops).
 
@@ -93,9 +150,10 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
     dropout_kwargs = {"dropout": dropout} if dropout is not None else {}
     kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **dropout_kwargs}
-    _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs)
+    _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
     if not pretrained:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+        return add_blurpool(model, arch) if blurpool else model
 
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     if cached.is_file():
@@ -109,7 +167,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
         ) from None
     if num_classes != len(weights.meta["categories"]):
         _replace_last_linear(model, num_classes)
-    return model
+    return add_blurpool(model, arch) if blurpool else model
 
 
 def _refuse_code(path: Path) -> None:

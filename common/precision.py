@@ -1,7 +1,9 @@
 """Precision policies: how the loop runs the forward pass and applies a step.
 
 The engine only calls `policy.autocast()` around the forward pass,
-`policy.backward_and_step(loss, optimizer)` and, at print intervals and
+`policy.backward_and_step(loss, optimizer)` (or, over --accum-steps
+micro-batches, `backward` each and one `step`: where --clip-grad-norm
+clips the final gradients) and, at print intervals and
 epoch ends, `policy.status()`; a policy's state (the loss scaler's) travels
 in the checkpoint through `state_dict()` / `load_state_dict()`.
 
@@ -49,6 +51,9 @@ class FP32:
     chosen_because: Optional[str] = None  # --opt-level auto: why this level (said by describe())
     warning: Optional[str] = None  # one line for the start of the run: a half type this device emulates
 
+    def __init__(self, clip_grad_norm: Optional[float] = None):
+        self.clip_grad_norm = clip_grad_norm  # --clip-grad-norm: the gradients' largest L2 norm; None: no clipping
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -66,17 +71,33 @@ class FP32:
 
     def step(self, optimizer: Optimizer) -> None:
         """The optimizer step on the gradients backward() added up."""
+        self.clip(optimizer)
         optimizer.step()
+
+    def clip(self, optimizer: Optimizer) -> None:
+        """--clip-grad-norm: the gradients of all the optimizer's parameters
+        scaled together down to that norm when above it, once they are final
+        (DDP's exchange is done in the last backward, the micro-batches are
+        summed, fp16's are unscaled). A non-finite norm (an overflowing
+        gradient) turns them NaN: fp16's scaler skips that step as it would
+        have (unscale_ noted the overflow); in fp32 the step would have spoilt
+        the weights anyway, which the check before every checkpoint reports."""
+        if self.clip_grad_norm is not None:
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
 
     def status(self) -> dict:
         """Loss scale and skipped steps, for progress lines and logs (none in fp32)."""
         return {}
 
     def describe(self) -> str:
-        return "precision: fp32" + self._chosen()
+        return "precision: fp32" + self._chosen() + self._clipping()
 
     def _chosen(self) -> str:
         return f" (--opt-level auto: {self.chosen_because})" if self.chosen_because else ""
+
+    def _clipping(self) -> str:
+        return f"; gradients clipped to norm {self.clip_grad_norm:g}" if self.clip_grad_norm is not None else ""
 
     def state_dict(self) -> dict:
         return {}
@@ -89,7 +110,9 @@ class MixedPrecision(FP32):
     """Apex opt levels O1-O3 with torch.autocast and torch.amp.GradScaler."""
 
     def __init__(self, opt_level: str, dtype: torch.dtype, device: torch.device,
-                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None):
+                 keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None,
+                 clip_grad_norm: Optional[float] = None):
+        super().__init__(clip_grad_norm)
         self.opt_level = opt_level
         self.dtype = dtype
         self.dtype_name = "fp16" if dtype == torch.float16 else "bf16"
@@ -140,11 +163,16 @@ class MixedPrecision(FP32):
         """The step on the scaled gradients. An overflowing step is skipped by
         the scaler (the same on every process: DDP has averaged the gradients
         already) and halves the scale; the skip is counted on the device,
-        without a host sync."""
+        without a host sync. --clip-grad-norm clips the unscaled gradients;
+        the scaler still skips a step whose gradients overflowed (unscale_
+        noted it), whatever clipping made of them."""
         if not self.scaler.is_enabled():
-            optimizer.step()
+            super().step(optimizer)
             return
         scale_before = self.scaler._scale.clone()  # private, but reading it avoids a host sync per step
+        if self.clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)
+            self.clip(optimizer)
         self.scaler.step(optimizer)
         self.scaler.update()
         skipped = (self.scaler._scale < scale_before).to(torch.int64)
@@ -174,7 +202,7 @@ class MixedPrecision(FP32):
             parts.append(f"loss scale {self.scaler.get_scale():g}, {growth}")
         else:
             parts.append("no loss scaling")
-        return "; ".join(parts)
+        return "; ".join(parts) + self._clipping()
 
     def state_dict(self) -> dict:
         self._collect()
@@ -188,14 +216,15 @@ class MixedPrecision(FP32):
 
 def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
                  keep_batchnorm_fp32: Optional[bool] = None, loss_scale: Union[str, float, None] = None,
-                 support: Optional[hardware.HalfSupport] = None):
+                 support: Optional[hardware.HalfSupport] = None, clip_grad_norm: Optional[float] = None):
     """The policy of --opt-level. --amp-dtype defaults to fp16 on CUDA GPUs
     and bf16 on the CPU (where fp16 autocast is many times slower than fp32).
     `auto` takes the fastest level that is native here: O2 on a GPU with
     fast fp16 (or bf16, if asked), O1 on a CPU with native bf16 (O2 adds
     nothing there: channels-last is already the CPU's default), else O0. An
     explicit O1-O3 in a half type this device emulates still runs, with a
-    warning. `support`: the device's (common.hardware), asked when not given."""
+    warning. `support`: the device's (common.hardware), asked when not given.
+    `clip_grad_norm`: --clip-grad-norm, whatever the level."""
     support = support or hardware.half_support(device)
     dtype_name = amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
     chosen_because = None
@@ -208,7 +237,7 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
             chosen_because = (f"{dtype_name} is emulated on this {support.where} ({support.capability}), slower "
                               f"than fp32; --opt-level O1 would use it anyway")
     if opt_level == "O0":
-        policy = FP32()
+        policy = FP32(clip_grad_norm)
         policy.chosen_because = chosen_because
         return policy
     # Compute capability 8 (Ampere) brought bf16 tensor cores; older GPUs would emulate it, slowly.
@@ -220,7 +249,7 @@ def build_policy(opt_level: str, amp_dtype: Optional[str], device: torch.device,
     if opt_level == "O3" and dtype_name == "fp16" and loss_scale not in (None, 1.0):
         raise UsageError("argument --loss-scale: O3 keeps no fp32 master weights to unscale gradients into; "
                          "it trains unscaled (use O1 or O2 for loss scaling)")
-    policy = MixedPrecision(opt_level, DTYPES[dtype_name], device, keep_batchnorm_fp32, loss_scale)
+    policy = MixedPrecision(opt_level, DTYPES[dtype_name], device, keep_batchnorm_fp32, loss_scale, clip_grad_norm)
     policy.chosen_because = chosen_because
     policy.warning = support.emulation_warning(dtype_name, opt_level)
     return policy

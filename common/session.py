@@ -40,6 +40,7 @@ class Plan:
     global_batch: int  # images per optimizer step, all processes: -b x --accum-steps x replicas
     lr: float  # --lr is for a global batch of 256: scaled linearly to global_batch
     channels_last: bool  # --memory-format, resolved for this device and precision
+    lr_min: float = 0.0  # --lr-min, scaled as --lr: the schedule's floor
 
     @staticmethod
     def of(cfg: Config, ctx: Context, policy) -> "Plan":
@@ -47,7 +48,15 @@ class Plan:
         global_batch = cfg.batch_size * cfg.accum_steps * ctx.replicas  # --accum-steps micro-batches per step
         return Plan(config=dataclasses.replace(cfg, opt_level=policy.opt_level), global_batch=global_batch,
                     lr=scaled_lr(cfg.lr, global_batch),
-                    channels_last=uses_channels_last(cfg.memory_format, ctx.device, policy))
+                    channels_last=uses_channels_last(cfg.memory_format, ctx.device, policy),
+                    lr_min=scaled_lr(cfg.lr_min, global_batch))
+
+    @property
+    def schedule(self) -> LRSchedule:
+        """The learning rate at each step, from the schedule's flags and the scaled rates."""
+        cfg = self.config
+        return LRSchedule(self.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs,
+                          warmup_method=cfg.warmup_method, warmup_decay=cfg.warmup_decay, min_lr=self.lr_min)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -68,7 +77,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
         raise RuntimeError(f"the training sampler's global batch {loaders.global_batch} is not the plan's "
                            f"{plan.global_batch} (-b x --accum-steps x replicas)")
     _describe_setup(log, policy, loaders, comm_hook, cfg)
-    schedule = LRSchedule(plan.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs)
+    schedule = plan.schedule
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
     mixing = None if cfg.evaluate else BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
@@ -138,7 +147,7 @@ def _start_run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimize
     cfg = plan.config
     accumulated = f" x {cfg.accum_steps} micro-batches" if cfg.accum_steps > 1 else ""
     log.info(f"global batch {plan.global_batch} ({cfg.batch_size} per replica{accumulated} x {ctx.replicas}); "
-             f"lr {cfg.lr:g} x {plan.global_batch}/256 = {plan.lr:g}, {cfg.lr_schedule} schedule")
+             f"lr {cfg.lr:g} x {plan.global_batch}/256 = {plan.lr:g}, {plan.schedule.describe()}")
     resolved = {
         "global_batch": plan.global_batch, "lr": plan.lr, "precision": policy.name,
         "precision_warning": policy.warning, "channels_last": plan.channels_last,

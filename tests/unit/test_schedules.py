@@ -69,7 +69,7 @@ def test_fractional_warmup_rounds_to_steps():
 
 def test_unknown_kind_rejected():
     with pytest.raises(ValueError):
-        LRSchedule(peak_lr=0.1, epochs=1, kind="linear")
+        LRSchedule(peak_lr=0.1, epochs=1, kind="onecycle")
 
 
 def test_cosine_with_warmup_over_the_whole_run_never_drops_to_zero():
