@@ -103,6 +103,10 @@ class Config:
     # DDP's gradient bucket size in MB; None: DDP's default (25 MB, and a first bucket of 1 MiB)
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False  # DDP's static_graph: the same parameters train every step
+    # --model-ema (common.ema): an exponential moving average of the weights and buffers, validated beside them
+    model_ema: bool = False
+    model_ema_steps: int = 32  # optimizer steps between updates of the average, counted over the run
+    model_ema_decay: float = 0.99998  # per update, before torchvision's adjustment for batch, steps and epochs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
