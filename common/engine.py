@@ -481,9 +481,9 @@ class Trainer:
         than others here, which a collective inside DDP's forward would wait on
         forever. Under DataParallel the average is spread over the same GPUs."""
         model = self.model
-        if averaged:
-            model = self.ema.averaged
-            broadcast_buffers_from_primary(self.ema.module, self.ctx)  # not its count, kept on the CPU (the same)
+        if averaged:  # the averaged copy of the plain model (not AveragedModel, whose count stays on the CPU)
+            model = self.ema.module
+            broadcast_buffers_from_primary(model, self.ctx)
             if isinstance(self.model, nn.DataParallel):
                 model = nn.DataParallel(model, device_ids=self.model.device_ids, output_device=self.model.output_device)
         elif isinstance(model, nn.parallel.DistributedDataParallel):
