@@ -38,6 +38,7 @@ from common import rundir
 from common.comm import CommHook
 from common.config import Config
 from common.distributed import Context, broadcast_from_primary, decided_by_primary
+from common.ema import ModelEMA
 from common.errors import UsageError, error_summary
 from common.models import unwrap
 from common.rundir import CHECKPOINT_NAME, kept_checkpoints
@@ -73,7 +74,8 @@ def restore_rng_state(state: dict) -> None:
 def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: dict, epoch: int, step: int,
                    images_done: int, partial_epoch: Optional[dict], best_acc1: float, best_epoch: Optional[int],
                    arch: str, classes: List[str], config: dict, world_size: int, global_batch: int, lr: float,
-                   seed: int, comm_hook: Optional[dict] = None) -> dict:
+                   seed: int, comm_hook: Optional[dict] = None, model_ema: Optional[dict] = None,
+                   best_source: Optional[str] = None) -> dict:
     """The checkpoint contents with `step` steps (`images_done` images, all
     processes) of epoch `epoch` done; after an epoch, the next epoch at step 0."""
     return {
@@ -89,6 +91,10 @@ def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: d
         "comm_hook": comm_hook,  # DDP's communication hook and its state per process (common.comm); None: no DDP
         "best_acc1": best_acc1,
         "best_epoch": best_epoch,
+        "best_source": best_source,  # which top-1 made best_acc1: "model", or "ema" (--model-ema's average)
+        # --model-ema: common.ema.ModelEMA.state_dict(), its weights' names plain as the model's; None: none kept
+        "model_ema": None if model_ema is None else {**model_ema,
+                                                     "state_dict": _plain_state_dict(model_ema["state_dict"])},
         "classes": list(classes),
         "world_size": world_size,  # model replicas
         "global_batch": global_batch,
@@ -99,12 +105,14 @@ def training_state(*, model: nn.Module, optimizer: Optimizer, precision_state: d
     }
 
 
-def expected_bytes(model: nn.Module, optimizer: Optimizer) -> int:
+def expected_bytes(model: nn.Module, optimizer: Optimizer, ema: Optional[ModelEMA] = None) -> int:
     """About how large this run's checkpoint files will be, before training
-    has created the optimizer's state: the weights and buffers, plus one
-    buffer per parameter for each of SGD's momentum and Adam's two moments
-    (the rest, RNG states and the config, is a few kilobytes)."""
+    has created the optimizer's state: the weights and buffers (twice with
+    --model-ema's average), plus one buffer per parameter for each of SGD's
+    momentum and Adam's two moments (the rest, RNG states and the config, is
+    a few kilobytes)."""
     weights = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+    weights *= 2 if ema is not None else 1
     parameters = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
     defaults = optimizer.defaults
     buffers = 2 if "betas" in defaults else 1 if defaults.get("momentum") else 0
@@ -319,6 +327,8 @@ class ResumePoint:
     images_done: int = 0  # images of start_epoch's order trained on, all processes together
     partial_epoch: Optional[dict] = None  # start_epoch's training sums and timing so far
     path: Optional[str] = None  # the checkpoint resumed from
+    best_source: Optional[str] = None  # whose top-1 best_acc1 is: "model" or "ema" (--model-ema)
+    has_ema: bool = False  # the checkpoint held a --model-ema average, now restored
 
 
 def _choose_checkpoint(cfg: Config, ctx: Context, log,
@@ -352,7 +362,8 @@ _RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "la
                    "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
                    "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
                    "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
-                   "warmup_decay", "lr_min", "blurpool")
+                   "warmup_decay", "lr_min", "blurpool",
+                   "model_ema", "model_ema_steps", "model_ema_decay")
 
 
 def _changed_recipe(saved: dict, now: dict) -> str:
@@ -365,12 +376,14 @@ def _changed_recipe(saved: dict, now: dict) -> str:
 
 
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
-           global_batch: int, lr: float, auto_dir: Optional[Path], comm_hook: Optional[CommHook] = None) -> ResumePoint:
+           global_batch: int, lr: float, auto_dir: Optional[Path], comm_hook: Optional[CommHook] = None,
+           ema: Optional[ModelEMA] = None) -> ResumePoint:
     """Where to start: --start-epoch without --resume; otherwise restore model,
     optimizer, precision policy and RNG states from the checkpoint --resume
     names (or, with `auto`, the newest readable one of `auto_dir`, the run
     directory, which the primary has opened and locked) and continue at its position. A checkpoint of another world size continues
-    the same epoch with this run's global batch and LR, and says so."""
+    the same epoch with this run's global batch and LR, and says so. `ema`:
+    --model-ema's average (or, for --evaluate, one to restore a saved one into)."""
     path, state = _choose_checkpoint(cfg, ctx, log, auto_dir)
     if path is None:
         return ResumePoint(start_epoch=cfg.start_epoch)
@@ -392,6 +405,7 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
             log.info(note)
     if "rng" in state:
         restore_rng_state(state["rng"])
+    has_ema = _restore_ema(state, ema, model, path, log, evaluating=cfg.evaluate)
     best = state.get("best_acc1", 0.0)
     start = ResumePoint(
         start_epoch=int(state.get("epoch", 0)),
@@ -401,6 +415,8 @@ def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, pr
         images_done=int(state.get("images_done", 0)),
         partial_epoch=state.get("partial_epoch"),
         path=path,
+        best_source=state.get("best_source"),
+        has_ema=has_ema,
     )
     _say_where(cfg, ctx, state, start, log, global_batch, lr)
     return start
@@ -436,13 +452,35 @@ def _load_optimizer_state(optimizer: Optimizer, saved: dict, path: str) -> None:
         group.update(values)
 
 
+def _restore_ema(state: dict, ema: Optional[ModelEMA], model: nn.Module, path: str, log, evaluating: bool) -> bool:
+    """Restore the checkpoint's --model-ema average into `ema`; whether it
+    held one. Training with --model-ema from a checkpoint without one starts
+    the average from its weights; one held without --model-ema is dropped.
+    Each said in a line (--evaluate says only what it validates)."""
+    saved = state.get("model_ema")
+    if saved is not None and ema is not None:
+        try:
+            ema.load_state_dict(saved, lambda module, plain: _load_plain_state_dict(module, _plain_state_dict(plain)))
+        except (RuntimeError, KeyError, TypeError) as error:
+            raise UsageError(f"argument --resume: the model EMA in {path} does not fit this model "
+                             f"({error_summary(error, line=-1)})") from None
+        return True
+    if saved is not None:
+        log.info(f"note: {path} holds a model EMA; without --model-ema it is dropped (this run's checkpoints hold "
+                 f"none)")
+    elif ema is not None and not evaluating:
+        ema.start_from(model)
+        log.info(f"note: {path} holds no model EMA: --model-ema starts the average from its weights")
+    return False
+
+
 def _say_where(cfg: Config, ctx: Context, state: dict, start: ResumePoint, log, global_batch: int, lr: float) -> None:
     """resume()'s lines: where it continues, the recipe options that differ
     from the checkpoint's run, and a change of world size."""
     steps = f"{start.step} step" + ("s" if start.step != 1 else "")
     where = f"epoch {start.start_epoch}" + (f" after {steps} ({start.images_done} images)" if start.step else "")
     how = "--resume auto: continuing" if cfg.resume == "auto" else "resumed from"
-    best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}"
+    best_so_far = (f", best top-1 {start.best_acc1:.2f}% at epoch {start.best_epoch}{of_source(start.best_source)}"
                    if start.best_epoch is not None else "")
     log.info(f"{how} {start.path} ({where}{best_so_far})")
     changed = _changed_recipe(state.get("config") or {}, cfg.to_dict())
@@ -455,6 +493,11 @@ def _say_where(cfg: Config, ctx: Context, state: dict, start: ResumePoint, log, 
                  f"lr {lr:g} (linear scaling)"
                  + (f"; epoch {start.start_epoch} goes on after its first {start.images_done} images"
                     if start.images_done else ""))
+
+
+def of_source(source: Optional[str]) -> str:
+    """' (the EMA's)' after a top-1 that --model-ema's average scored; empty for the model's."""
+    return " (the EMA's)" if source == "ema" else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,23 +526,24 @@ class Checkpointer:
     def __init__(self, model: nn.Module, optimizer: Optimizer, precision, ctx: Context, facts: RunFacts,
                  classes: List[str], start: ResumePoint, run_dir: Optional[Path],
                  check_weights: Callable[[nn.Module, str], None] = lambda model, where: None,
-                 comm_hook: Optional[CommHook] = None):
+                 comm_hook: Optional[CommHook] = None, ema: Optional[ModelEMA] = None):
         self.model, self.optimizer, self.precision, self.ctx = model, optimizer, precision, ctx
-        self.comm_hook = comm_hook
+        self.comm_hook, self.ema = comm_hook, ema
         # Raises when a weight is not finite on some process (engine.LossGuard.check_weights, a collective):
         # a checkpoint is never written of weights a NaN has reached.
         self.check_weights = check_weights
         self.facts, self.classes, self.run_dir = facts, list(classes), run_dir
-        self.best_acc1, self.best_epoch = start.best_acc1, start.best_epoch
+        self.best_acc1, self.best_epoch, self.best_source = start.best_acc1, start.best_epoch, start.best_source
         self.last_path: Optional[Path] = Path(start.path) if start.path else None  # on the primary
         # (epoch, images done) of the newest checkpoint, the same on every process; None before any.
         self._last_position = (start.start_epoch, start.images_done) if start.path else None
 
-    def validated(self, top1: float, epoch: int) -> bool:
-        """Note an epoch's validation top-1; whether it is the best so far."""
+    def validated(self, top1: float, epoch: int, source: str = "model") -> bool:
+        """Note an epoch's validation top-1 (`source`'s: "model", or "ema",
+        --model-ema's average, where it scored better); whether it is the best so far."""
         is_best = top1 > self.best_acc1
         if is_best:
-            self.best_acc1, self.best_epoch = top1, epoch
+            self.best_acc1, self.best_epoch, self.best_source = top1, epoch, source
         return is_best
 
     def holds(self, epoch: int, images_done: int) -> bool:
@@ -525,7 +569,8 @@ class Checkpointer:
                 step=step, images_done=images_done, partial_epoch=partial_epoch, best_acc1=self.best_acc1,
                 best_epoch=self.best_epoch, arch=facts.arch, classes=self.classes, config=facts.config,
                 world_size=self.ctx.replicas, global_batch=facts.global_batch, lr=facts.lr, seed=facts.seed,
-                comm_hook=comm_hook,
+                comm_hook=comm_hook, model_ema=self.ema.state_dict() if self.ema is not None else None,
+                best_source=self.best_source,
             )
             try:
                 self.last_path = save(state, self.run_dir, is_best, keep=facts.keep_checkpoints)

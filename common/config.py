@@ -143,6 +143,10 @@ class Config:
     warmup_decay: Optional[float] = None  # the warm-up's starting factor of the rate; None: see common.schedules
     lr_min: float = 0.0  # the schedule's floor, for a global batch of 256 (scaled linearly, as --lr)
     blurpool: bool = False  # a fixed blur before every strided convolution of >= 16 input channels (FFCV's BlurPool)
+    # --model-ema (common.ema): an exponential moving average of the weights and buffers, validated beside them
+    model_ema: bool = False
+    model_ema_steps: int = 32  # optimizer steps between updates of the average, counted over the run
+    model_ema_decay: float = 0.99998  # per update, before torchvision's adjustment for batch, steps and epochs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -36,6 +36,7 @@ from common.checkpoint import Checkpointer, ResumePoint
 from common.config import CropSizes
 from common.data import BadImages, Loaders, derived_seed
 from common.device_input import DeviceInput
+from common.ema import ModelEMA
 from common.data_timeout import DataTimeout
 from common.distributed import (Context, all_reduce_sum, all_reduce_sum_started, broadcast_buffers_from_primary,
                                 spans_processes)
@@ -298,6 +299,7 @@ class Trainer:
     # Input sizes the model has met in this run, and the training crop said last (--progressive-resizing).
     _sizes_met: set = dataclasses.field(default_factory=set, init=False)
     _crop_said: Optional[int] = dataclasses.field(default=None, init=False)
+    ema: Optional[ModelEMA] = None  # --model-ema: updated after optimizer steps, validated beside the model
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -403,6 +405,9 @@ class Trainer:
                 else:
                     self.precision.backward(micro[-1].loss / len(micro))
                     self.precision.step(self.optimizer)
+            if self.ema is not None:  # after the whole step, from the weights it made (not a skipped one's)
+                with record_function("step:model EMA"):
+                    self.ema.update(self.model, epoch, step, steps, self.precision.last_step_skipped)
             with record_function("step:metric sums"):
                 for part in micro:
                     sums.add(part.loss, part.logits, part.target, timed=timer.timing, **part.files)
@@ -484,22 +489,18 @@ class Trainer:
                 self.log.info(note)
 
     @torch.no_grad()
-    def validate(self, loaders: Loaders, epoch: int) -> Tuple[EpochMetrics, ClassReport]:
+    def validate(self, loaders: Loaders, epoch: int, averaged: bool = False) -> Tuple[EpochMetrics, ClassReport]:
         """Loss, top-1/top-5 and the per-class report over the whole
         validation set, each image counted once whatever the number of
-        processes (the confusion matrix is summed over them)."""
-        # DDP's own module: DDP adds nothing in evaluation, and processes may have one batch more or
-        # less than others here, which a collective inside DDP's forward would wait on forever.
-        model = self.model
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-            broadcast_buffers_from_primary(model, self.ctx)
+        processes (the confusion matrix is summed over them). `averaged`:
+        of --model-ema's average (split "val_ema"), not of the model."""
+        model, split = self._validated_model(averaged), "val_ema" if averaged else "val"
         model.eval()
         val_size = self._input_size(epoch, "val")
         loader = loaders.val
         steps = len(loader)
         sums = MetricSums(self.ctx.device, loaders.num_classes)
-        progress = self.log.progress_meter("val", epoch, steps)
+        progress = self.log.progress_meter(split, epoch, steps)
         timer = StepTimer(loaders.primary_val_steps(), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loader.dataset)
         for step, batch in enumerate(self._input(loaders.batches("val"), loaders.dali)):
@@ -523,11 +524,12 @@ class Trainer:
                 progress.show(step, sums.totals(), timer, None)
             timer.step_done()
         totals = sums.totals(self.ctx)
-        _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
-        self._note_large_images("val", epoch, totals, bad_images)
+        if not averaged:  # the same files again in the average's pass: said once
+            _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
+            self._note_large_images("val", epoch, totals, bad_images)
         report = sums.class_report(self.ctx)
-        self.ctx.contact.heard(f"epoch {epoch}'s validation done")
-        metrics = EpochMetrics.from_totals(epoch, "val", totals, timer.finish(self.ctx), self.ctx.replicas, None,
+        self.ctx.contact.heard(f"epoch {epoch}'s validation{' of the model EMA' if averaged else ''} done")
+        metrics = EpochMetrics.from_totals(epoch, split, totals, timer.finish(self.ctx), self.ctx.replicas, None,
                                            time.time(), macro_f1=report.macro_f1, image_size=val_size)
         return metrics, report
 
@@ -549,6 +551,24 @@ class Trainer:
             self.log.info(f"epoch {epoch}: {'training' if split == 'train' else 'validation'} crop {size} px"
                           f"{compiling}")
         return size
+
+    def _validated_model(self, averaged: bool) -> nn.Module:
+        """What validate() runs: the model, or --model-ema's average, with the
+        primary's buffers (each process's BatchNorm statistics are its own
+        batches'; the primary's are the ones saved). DDP's own module: DDP adds
+        nothing in evaluation, and processes may have one batch more or less
+        than others here, which a collective inside DDP's forward would wait on
+        forever. Under DataParallel the average is spread over the same GPUs."""
+        model = self.model
+        if averaged:  # the averaged copy of the plain model (not AveragedModel, whose count stays on the CPU)
+            model = self.ema.module
+            broadcast_buffers_from_primary(model, self.ctx)
+            if isinstance(self.model, nn.DataParallel):
+                model = nn.DataParallel(model, device_ids=self.model.device_ids, output_device=self.model.output_device)
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+            broadcast_buffers_from_primary(model, self.ctx)
+        return model
 
 
 def _report_bad_images(log: RunLog, ctx: Context, epoch: int, split: str, totals: MetricTotals,

@@ -20,6 +20,7 @@ from common.data_timeout import DataTimeout
 from common.distributed import Context, broadcast_from_primary, spans_processes
 from common.engine import NonFiniteLoss, StopRequested, Trainer, saved_or_why
 from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS
+from common.meters import ClassReport, EpochMetrics
 from common.preemption import StopControl, TrainingStopped
 from common.telemetry import RunLog
 
@@ -30,6 +31,7 @@ class FitResult:
     seconds: float  # wall time of this call, validation and checkpoints included
     best_acc1: float
     best_epoch: Optional[int]
+    best_source: Optional[str] = None  # whose top-1 best_acc1 is: "model", or "ema" (--model-ema)
 
 
 class CheckpointNotWritten(SystemExit):
@@ -62,7 +64,36 @@ class _Progress:
 
     def result(self) -> FitResult:
         return FitResult(epochs_run=self.epochs_run, seconds=time.perf_counter() - self.started,
-                         best_acc1=self.checkpointer.best_acc1, best_epoch=self.checkpointer.best_epoch)
+                         best_acc1=self.checkpointer.best_acc1, best_epoch=self.checkpointer.best_epoch,
+                         best_source=self.checkpointer.best_source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """An epoch's validation: the model's, and with --model-ema its average's
+    (`ema`); the better top-1 of the two (the model's on a tie) is `source`'s,
+    and `report` is its per-class report."""
+
+    val: EpochMetrics
+    report: ClassReport
+    ema: Optional[EpochMetrics] = None
+    source: str = "model"  # "model" or "ema"
+
+    @property
+    def top1(self) -> float:
+        return self.ema.top1 if self.source == "ema" else self.val.top1
+
+
+def validate(trainer: Trainer, loaders: Loaders, epoch: int, averaged: bool) -> Validation:
+    """The model validated, and `averaged`: --model-ema's average beside it
+    (a second pass over the same images, each counted once as in the first)."""
+    val, report = trainer.validate(loaders, epoch)
+    if not averaged:
+        return Validation(val, report)
+    ema, ema_report = trainer.validate(loaders, epoch, averaged=True)
+    if ema.top1 > val.top1:
+        return Validation(val, ema_report, ema, "ema")
+    return Validation(val, report, ema, "model")
 
 
 def fit(trainer: Trainer, loaders: Loaders, epochs: int, start: ResumePoint,
@@ -118,15 +149,16 @@ def _run_epoch(trainer: Trainer, loaders: Loaders, epoch: int, epochs: int, star
         path, failure = checkpoint_before_validation()
         raise StopRequested(decision, path, where, failure)
     try:
-        val, report = trainer.validate(loaders, epoch)
+        validated = validate(trainer, loaders, epoch, averaged=trainer.ema is not None)
     except DataTimeout as stall:
         raise trainer.stalled(stall, f"{where}, in validation", checkpoint_before_validation) from None
     progress.epochs_run += 1
-    is_best = checkpointer.validated(val.top1, epoch)
+    is_best = checkpointer.validated(validated.top1, epoch, validated.source)  # the better of model and EMA
     log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective
-    log.epoch_end(trained.metrics, val, report, loaders.classes, checkpointer.best_acc1, checkpointer.best_epoch)
+    log.epoch_end(trained.metrics, validated.val, validated.report, loaders.classes, checkpointer.best_acc1,
+                  checkpointer.best_epoch, validated.ema, validated.source, checkpointer.best_source)
     path, failure = saved_or_why(lambda: checkpointer.save(epoch + 1, 0, 0, None, is_best))
-    reached = desired_acc is not None and val.top1 >= desired_acc
+    reached = desired_acc is not None and validated.top1 >= desired_acc
     if reached or epoch + 1 >= epochs:  # the run's last checkpoint: every process ends alike
         failure = broadcast_from_primary(failure, ctx)
         if failure is not None:
@@ -138,7 +170,8 @@ def _run_epoch(trainer: Trainer, loaders: Loaders, epoch: int, epochs: int, star
                  f"{checkpointer.last_path or 'none'})")
         log.write_failed("checkpoints", failure, later=None)
     if reached:
-        log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {val.top1:.2f}%) at epoch "
+        log.info(f"reached --desired-acc {desired_acc:g}% (val top-1 {validated.top1:.2f}%"
+                 f"{' of the EMA' if validated.source == 'ema' else ''}) at epoch "
                  f"{epoch} after {time.perf_counter() - progress.started:.1f} s: stopping")
         return True
     decision = control.now()

@@ -68,6 +68,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                                    "test-time flip, DeiT's repeated augmentation (docs/recipes.md)"))
     _add_optimisation_flags(parser.add_argument_group("optimisation"))
     _add_schedule_flags(parser.add_argument_group("learning-rate schedule"))
+    _add_ema_flags(parser.add_argument_group("model EMA (torchvision's references)"))
     _add_run_flags(parser.add_argument_group("run"))
     _add_checkpoint_flags(parser.add_argument_group("checkpoints and preemption"))
     _add_measurement_flags(parser.add_argument_group("measurement"))
@@ -289,6 +290,22 @@ def _schedule_name(text: str) -> str:
     """--lr-scheduler's spellings: torchvision's (steplr, cosineannealinglr), any case, as the project's names."""
     name = text.strip().lower()
     return LR_SCHEDULE_ALIASES.get(name, name)
+
+
+def _add_ema_flags(group) -> None:
+    group.add_argument("--model-ema", action="store_true",
+                       help="keep an exponential moving average of the weights and buffers (torch.optim.swa_utils, "
+                            "as torchvision's references), validated beside the model after each epoch (metrics.csv "
+                            "split val_ema); the better top-1 of the two makes the best checkpoint and the per-class "
+                            "report; kept in checkpoints")
+    group.add_argument("--model-ema-steps", type=positive_int, default=32, metavar="N",
+                       help="update the average after the run's first optimizer step and every N-th after it "
+                            "(counted over the run, not per epoch); during the lr warm-up each update copies the "
+                            "weights")
+    group.add_argument("--model-ema-decay", type=float_in(0.0, 1.0, False, False, "a decay in [0, 1]"),
+                       default=0.99998, metavar="D",
+                       help="decay per update, adjusted as torchvision does: the update applies "
+                            "1 - min(1, (1 - D) x global batch x N / --epochs)")
 
 
 def _add_run_flags(group) -> None:

@@ -85,6 +85,9 @@ class FP32:
         if self.clip_grad_norm is not None:
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
             torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+    def last_step_skipped(self) -> bool:
+        """Whether the last step() left the weights as they were (fp16's scaler skips overflowing steps)."""
+        return False
 
     def status(self) -> dict:
         """Loss scale and skipped steps, for progress lines and logs (none in fp32)."""
@@ -134,6 +137,7 @@ class MixedPrecision(FP32):
         self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
         self.skipped_before_resume = 0
         self._skipped_now = None  # the same count, on the device, while training (read only at status())
+        self._last_skipped = None  # whether the last step was skipped, on the device (last_step_skipped)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """O3: cast the model to the half type (BatchNorm as --keep-batchnorm-fp32
@@ -177,6 +181,12 @@ class MixedPrecision(FP32):
         self.scaler.update()
         skipped = (self.scaler._scale < scale_before).to(torch.int64)
         self._skipped_now = skipped if self._skipped_now is None else self._skipped_now + skipped
+        self._last_skipped = skipped
+
+    def last_step_skipped(self) -> bool:
+        """Whether the scaler skipped the last step: a host read of a device
+        flag, so asked only where it matters (--model-ema's update steps)."""
+        return self._last_skipped is not None and bool(self._last_skipped.item())
 
     def _collect(self) -> None:
         if self._skipped_now is not None:

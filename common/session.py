@@ -21,9 +21,10 @@ from common.comm import CommHook
 from common.config import Config
 from common.data import Loaders
 from common.distributed import Context, broadcast_from_primary
+from common.ema import ModelEMA, adjusted_decay, describe as describe_ema
 from common.engine import LossGuard, Trainer
 from common.errors import UsageError
-from common.fit import FitResult, fit
+from common.fit import FitResult, fit, validate
 from common.models import uses_channels_last
 from common.preemption import StopControl
 from common.rundir import RunDirectory, auto_run_directory
@@ -41,6 +42,7 @@ class Plan:
     lr: float  # --lr is for a global batch of 256: scaled linearly to global_batch
     channels_last: bool  # --memory-format, resolved for this device and precision
     lr_min: float = 0.0  # --lr-min, scaled as --lr: the schedule's floor
+    ema_decay: Optional[float] = None  # --model-ema: the decay per update after torchvision's adjustment; None: off
 
     @staticmethod
     def of(cfg: Config, ctx: Context, policy) -> "Plan":
@@ -49,7 +51,9 @@ class Plan:
         return Plan(config=dataclasses.replace(cfg, opt_level=policy.opt_level), global_batch=global_batch,
                     lr=scaled_lr(cfg.lr, global_batch),
                     channels_last=uses_channels_last(cfg.memory_format, ctx.device, policy),
-                    lr_min=scaled_lr(cfg.lr_min, global_batch))
+                    lr_min=scaled_lr(cfg.lr_min, global_batch),
+                    ema_decay=adjusted_decay(cfg.model_ema_decay, global_batch, cfg.model_ema_steps, cfg.epochs)
+                    if cfg.model_ema else None)
 
     @property
     def schedule(self) -> LRSchedule:
@@ -57,6 +61,15 @@ class Plan:
         cfg = self.config
         return LRSchedule(self.lr, cfg.epochs, cfg.lr_schedule, cfg.lr_steps, warmup_epochs=cfg.warmup_epochs,
                           warmup_method=cfg.warmup_method, warmup_decay=cfg.warmup_decay, min_lr=self.lr_min)
+
+    def model_ema(self, model: nn.Module, evaluating: bool = False) -> Optional[ModelEMA]:
+        """--model-ema's average of `model` (for --evaluate of a checkpoint: one
+        to restore a saved average into, which it may hold); None without."""
+        cfg = self.config
+        if not cfg.model_ema and not (evaluating and cfg.resume):
+            return None
+        decay = self.ema_decay if self.ema_decay is not None else cfg.model_ema_decay
+        return ModelEMA(model, decay, cfg.model_ema_steps, cfg.warmup_epochs)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -83,6 +96,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     mixing = None if cfg.evaluate else BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
     if mixing is not None:  # with how training's top-1 is counted under it
         log.info(mixing.describe())
+    ema = plan.model_ema(model, evaluating=cfg.evaluate)
 
     def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
         return Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
@@ -90,20 +104,22 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
                        profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps, crop_sizes=cfg.crop_sizes,
-                       val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing)
+                       val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing, ema=ema)
 
     def resume(auto_dir: Optional[Path]) -> ResumePoint:  # --resume: where the checkpoint stopped, to the step
         return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,
-                                 global_batch=plan.global_batch, lr=plan.lr, comm_hook=comm_hook, auto_dir=auto_dir)
+                                 global_batch=plan.global_batch, lr=plan.lr, comm_hook=comm_hook, auto_dir=auto_dir,
+                                 ema=ema)
 
     if cfg.evaluate:
         # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
         # (saves replace files by rename, so it reads a whole one).
         start = resume(auto_run_directory(cfg) if cfg.resume == "auto" else None)
-        val, report = trainer(None).validate(loaders, start.start_epoch)
-        log.evaluation(val, report, loaders.classes, report_dir=cfg.report_dir)
+        validated = validate(trainer(None), loaders, start.start_epoch, averaged=start.has_ema)  # both, if saved
+        log.evaluation(validated.val, validated.report, loaders.classes, report_dir=cfg.report_dir, ema=validated.ema,
+                       report_source=validated.source)
         return None
-    checkpoint_bytes = checkpoint.expected_bytes(model, optimizer)  # checked against the free space
+    checkpoint_bytes = checkpoint.expected_bytes(model, optimizer, ema)  # checked against the free space
     # Opened and locked before the resume reads from it: a checkpoint another run is still writing is never read.
     run_dir = RunDirectory.open(cfg, ctx, checkpoint_bytes)  # a collective; the directory on the primary
     started = False
@@ -118,7 +134,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
         io_sampler = measure.start_io_sampler(cfg, ctx)
         checkpointer = Checkpointer(model, optimizer, policy, ctx, RunFacts.of(cfg, plan.global_batch, plan.lr),
                                     loaders.classes, start, run_dir.path if run_dir is not None else None,
-                                    guard.check_weights, comm_hook=comm_hook)
+                                    guard.check_weights, comm_hook=comm_hook, ema=ema)
         return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
     finally:
         if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
@@ -148,6 +164,9 @@ def _start_run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimize
     accumulated = f" x {cfg.accum_steps} micro-batches" if cfg.accum_steps > 1 else ""
     log.info(f"global batch {plan.global_batch} ({cfg.batch_size} per replica{accumulated} x {ctx.replicas}); "
              f"lr {cfg.lr:g} x {plan.global_batch}/256 = {plan.lr:g}, {plan.schedule.describe()}")
+    if plan.ema_decay is not None:
+        log.info(describe_ema(cfg.model_ema_decay, plan.ema_decay, cfg.model_ema_steps, plan.global_batch, cfg.epochs,
+                              cfg.warmup_epochs))
     resolved = {
         "global_batch": plan.global_batch, "lr": plan.lr, "precision": policy.name,
         "precision_warning": policy.warning, "channels_last": plan.channels_last,
@@ -155,6 +174,7 @@ def _start_run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimize
         "val_images": len(loaders.val.dataset),
         "steps_per_epoch": loaders.train_steps(cfg.steps_per_epoch),
         "checkpoint_bytes": checkpoint_bytes,
+        "model_ema_decay": plan.ema_decay,  # --model-ema's decay per update, adjusted; None: no average
         "jpeg_decoder": loaders.jpeg_decoder.to_dict() if loaders.jpeg_decoder is not None else None,
         "dali": loaders.dali.to_dict() if loaders.dali is not None else None,
     }

@@ -56,21 +56,23 @@ _SCALARS = {
             "Data/wait_fraction_val": "data_wait_fraction", "IO/dataset_bytes_val": "dataset_bytes",
             "Data/bad_images_val": "bad_images"},
 }
+# --model-ema's average, validated beside the model: tags of its own (Top1/val_ema), never the model's
+_SCALARS["val_ema"] = {tag.replace("val", "val_ema"): field for tag, field in _SCALARS["val"].items()}
 BAD_IMAGE_COLUMNS = ["path", "split", "first_epoch", "reason"]
 # What each epoch reports to a launcher that asks (Ray Train, and through it Ray Tune's --metric): the
 # epoch, the best validation top-1 so far, and each split's TensorBoard figures as <split>_<field>.
 REPORTED_METRICS = ["epoch", "best_val_top1", "train_images"] + [
     f"{split}_{field}" for split, scalars in _SCALARS.items() for field in scalars.values()]
-# Those every epoch of every run has (fp16's loss scale, for one, is only under fp16): what Tune may rank by.
+# Those every epoch of every run has (not fp16's loss scale, nor --model-ema's val_ema): what Tune may rank by.
 _ALWAYS = {"loss", "top1", "top5", "images_per_second", "seconds_per_step", "data_wait_fraction"}
 RANKABLE_METRICS = ["epoch", "best_val_top1", "train_images", "train_lr", "val_macro_f1"] + [
-    f"{split}_{field}" for split, scalars in _SCALARS.items() for field in scalars.values() if field in _ALWAYS]
+    f"{split}_{field}" for split in ("train", "val") for field in _SCALARS[split].values() if field in _ALWAYS]
 
 
-def epoch_report(train: EpochMetrics, val: EpochMetrics, best_acc1: float) -> dict:
-    """The figures of REPORTED_METRICS that this epoch has (fp16's loss scale only under fp16)."""
+def epoch_report(train: EpochMetrics, val: EpochMetrics, best_acc1: float, ema: Optional[EpochMetrics] = None) -> dict:
+    """The figures of REPORTED_METRICS that this epoch has (fp16's loss scale only under fp16, val_ema's with EMA)."""
     report = {"epoch": val.epoch, "best_val_top1": best_acc1, "train_images": train.images}
-    for metrics in (train, val):
+    for metrics in (train, val, *((ema,) if ema is not None else ())):
         for field in _SCALARS[metrics.split].values():
             if getattr(metrics, field) is not None:
                 report[f"{metrics.split}_{field}"] = getattr(metrics, field)
@@ -469,11 +471,14 @@ class RunLog:
         self._writer.flush()
 
     def epoch_end(self, train: EpochMetrics, val: EpochMetrics, report: ClassReport, classes: List[str],
-                  best_acc1: float, best_epoch: Optional[int]) -> None:
-        """The epoch's metrics rows, its per-class report (val_report.csv; also
-        val_report_best.csv when this epoch is the best) and its two lines."""
+                  best_acc1: float, best_epoch: Optional[int], ema: Optional[EpochMetrics] = None,
+                  report_source: str = "model", best_source: Optional[str] = None) -> None:
+        """The epoch's metrics rows, its per-class report (val_report.csv; also val_report_best.csv when this
+        epoch is the best) and its lines; with --model-ema, `ema` (split val_ema), `report` `report_source`'s."""
         self.log_metrics(train)
         self.log_metrics(val)
+        if ema is not None:
+            self.log_metrics(ema)
         if self.is_primary and self.run_dir is not None:
             with self._writing("val_report.csv"):
                 write_class_report(report, classes, val.epoch, self.run_dir / "val_report.csv",
@@ -482,7 +487,7 @@ class RunLog:
                 with self._writing("val_report_best.csv"):
                     write_class_report(report, classes, val.epoch, self.run_dir / "val_report_best.csv",
                                        self.run_dir / "confusion_matrix_best.npy")
-        self._validation_seconds = val.seconds
+        self._validation_seconds = val.seconds + (ema.seconds if ema is not None else 0.0)
         if train.steps:
             self._epoch_seconds_per_step = train.seconds / train.steps
         warmup = f" after {train.warmup_steps} warm-up steps" if train.warmup_steps else ""
@@ -493,11 +498,14 @@ class RunLog:
                   f"peak mem {train.peak_memory_mib:.0f} MiB, lr {train.lr:.5f}"
                   + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
                      if train.loss_scale is not None else ""))
-        self.info(f"epoch {val.epoch} val:   loss {val.loss:.4f}  top1 {val.top1:.2f}%  top5 {val.top5:.2f}%  "
-                  f"macro-F1 {val.macro_f1:.2f}%  | {val.images} images in {val.seconds:.1f} s  "
-                  f"| best top1 {best_acc1:.2f}% (epoch {best_epoch})" + self._run_end(train, val))
+        lines = [f"epoch {row.epoch} {row.split + ':':6} loss {row.loss:.4f}  top1 {row.top1:.2f}%  top5 "
+                 f"{row.top5:.2f}%  macro-F1 {row.macro_f1:.2f}%  | {row.images} images in {row.seconds:.1f} s"
+                 for row in (val, ema) if row is not None]
+        whose = f"  | per-class report: the {'EMA' if report_source == 'ema' else 'model'}" if ema else ""
+        self.info("\n".join(lines) + f"{whose}  | best top1 {best_acc1:.2f}% (epoch {best_epoch}"
+                  f"{', the EMA' if best_source == 'ema' else ''})" + self._run_end(train, val))
         if self.ctx.launcher_report is not None:  # every process, with the same figures
-            self.ctx.launcher_report(epoch_report(train, val, best_acc1))
+            self.ctx.launcher_report(epoch_report(train, val, best_acc1, ema))
 
     def _run_end(self, train: EpochMetrics, val: EpochMetrics) -> str:
         """`  | run ends ~ 14:32 (2h05m left)` after epoch `val.epoch`, from
@@ -507,7 +515,7 @@ class RunLog:
         if epochs_after <= 0:
             return ""
         seconds_per_step = train.seconds / max(train.steps, 1)  # wall time: each epoch has its warm-up too
-        seconds_left = run_seconds_left(epochs_after, train.steps, seconds_per_step, val.seconds)
+        seconds_left = run_seconds_left(epochs_after, train.steps, seconds_per_step, self._validation_seconds)
         now = self.wall_clock()
         return f"  | run ends ~ {_format_clock(now + seconds_left, now)} ({_format_time_left(seconds_left)} left)"
 
@@ -537,15 +545,20 @@ class RunLog:
                            f"(--bad-images skip): {where}"))
 
     def evaluation(self, val: EpochMetrics, report: ClassReport, classes: List[str],
-                   report_dir: Optional[str] = None) -> None:
-        top1_correct = round(val.top1 * val.images / 100)
-        self.info(f"validation: loss {val.loss:.4f}  top1 {val.top1:.2f}% ({top1_correct}/{val.images})  "
-                  f"top5 {val.top5:.2f}%  macro-F1 {val.macro_f1:.2f}%  ({val.images} images in {val.seconds:.1f} s)")
+                   report_dir: Optional[str] = None, ema: Optional[EpochMetrics] = None,
+                   report_source: str = "model") -> None:
+        """--evaluate's lines: the model's validation, and `ema`, the checkpoint's --model-ema average's if
+        it holds one; `report`: `report_source`'s (the better top-1's), written into `report_dir`."""
+        for row in (val, ema) if ema is not None else (val,):
+            self.info(f"validation{' of the EMA' if row is ema else ''}: loss {row.loss:.4f}  top1 {row.top1:.2f}% "
+                      f"({round(row.top1 * row.images / 100)}/{row.images})  top5 {row.top5:.2f}%  macro-F1 "
+                      f"{row.macro_f1:.2f}%  ({row.images} images in {row.seconds:.1f} s)")
         if self.is_primary and report_dir is not None:
             folder = Path(report_dir)
             folder.mkdir(parents=True, exist_ok=True)
             write_class_report(report, classes, val.epoch, folder / "val_report.csv", folder / "confusion_matrix.npy")
-            self.info(f"per-class report: {folder / 'val_report.csv'} (confusion counts: "
+            whose = f" of the {'EMA' if report_source == 'ema' else 'model'}" if ema is not None else ""
+            self.info(f"per-class report{whose}: {folder / 'val_report.csv'} (confusion counts: "
                       f"{folder / 'confusion_matrix.npy'})")
 
     def finish(self, result, stopped: bool = False) -> None:
@@ -558,6 +571,7 @@ class RunLog:
             return
         done = "stopped after" if stopped else "finished"
         best = (f"; best val top-1 {result.best_acc1:.2f}% at epoch {result.best_epoch}"
+                + (" (the EMA)" if result.best_source == "ema" else "")
                 if result.best_epoch is not None else "")
         self.info(f"{done} {result.epochs_run} epochs in {_format_duration(result.seconds)} ({result.seconds:.1f} s)"
                   f"{best}")
