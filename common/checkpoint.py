@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from common import rundir
 from common.comm import CommHook
-from common.config import Config
+from common.config import RECIPE_OPTIONS, Config
 from common.distributed import Context, broadcast_from_primary, decided_by_primary
 from common.ema import ModelEMA
 from common.errors import UsageError, error_summary
@@ -354,25 +354,13 @@ def _choose_checkpoint(cfg: Config, ctx: Context, log,
     return decided_by_primary(choose, ctx), loaded.get("state")
 
 
-# The options that make up the training recipe (not where the data or logs are, nor how processes meet).
-_RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
-                   "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
-                   "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
-                   "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "auto_augment",
-                   "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
-                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
-                   "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
-                   "warmup_decay", "lr_min", "blurpool",
-                   "model_ema", "model_ema_steps", "model_ema_decay")
-
-
 def _changed_recipe(saved: dict, now: dict) -> str:
     """'--lr 0.2 (was 0.1), --epochs 100 (was 90)' for the recipe options that differ."""
     def plain(value):
         return list(value) if isinstance(value, (list, tuple)) else value
 
     return ", ".join(f"--{name.replace('_', '-')} {plain(now.get(name))} (was {plain(saved[name])})"
-                     for name in _RECIPE_OPTIONS if name in saved and plain(saved[name]) != plain(now.get(name)))
+                     for name in RECIPE_OPTIONS if name in saved and plain(saved[name]) != plain(now.get(name)))
 
 
 def resume(cfg: Config, ctx: Context, model: nn.Module, optimizer: Optimizer, precision, classes: List[str], log, *,
@@ -529,7 +517,7 @@ class Checkpointer:
                  comm_hook: Optional[CommHook] = None, ema: Optional[ModelEMA] = None):
         self.model, self.optimizer, self.precision, self.ctx = model, optimizer, precision, ctx
         self.comm_hook, self.ema = comm_hook, ema
-        # Raises when a weight is not finite on some process (engine.LossGuard.check_weights, a collective):
+        # Raises when a weight is not finite on some process (loss_guard.LossGuard.check_weights, a collective):
         # a checkpoint is never written of weights a NaN has reached.
         self.check_weights = check_weights
         self.facts, self.classes, self.run_dir = facts, list(classes), run_dir

@@ -43,6 +43,18 @@ WARMUP_METHODS = ("linear", "constant")
 CONSTANT_WARMUP_DECAY = 0.01  # --lr-warmup-decay's default for the constant method: torchvision's
 
 
+# The options that make up the training recipe (not where the data or logs are, nor how processes meet): a
+# resume names those that differ from the checkpoint's run (common.checkpoint).
+RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "label_smoothing", "lr_schedule",
+                  "lr_steps", "warmup_epochs", "image_size", "val_resize", "crop_scale", "hflip", "dropout",
+                  "steps_per_epoch", "opt_level", "amp_dtype", "memory_format", "sync_bn", "data_backend",
+                  "accum_steps", "ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "auto_augment",
+                  "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
+                  "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
+                  "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
+                  "warmup_decay", "lr_min", "blurpool", "model_ema", "model_ema_steps", "model_ema_decay")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Every resolved option of one run. Frozen: code reads it, never edits it."""

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 # per-node spawner read them, so they never change.
 FAILED_EXIT_STATUS = 1  # a worker process failed (a bug, a crash, a signal): its traceback says why
 USAGE_EXIT_STATUS = 2  # a mistake the user can fix (UsageError), reported in one line; argparse's status too
-NONFINITE_EXIT_STATUS = 3  # the training loss became NaN or inf (engine.LossGuard); those weights are not saved
+NONFINITE_EXIT_STATUS = 3  # the training loss became NaN or inf (loss_guard.LossGuard); those weights are not saved
 PEER_LOST_EXIT_STATUS = 4  # a worker lost a peer: one that failed first (it says why), or stopped answering
 # No batch came within --data-timeout: a data-loading worker (or, with --workers 0, the training process's own
 # read) that stopped, a file system that stopped answering; one line names the worker and the file.

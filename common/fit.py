@@ -18,7 +18,8 @@ from common.checkpoint import Checkpointer, ResumePoint
 from common.data import Loaders
 from common.data_timeout import DataTimeout
 from common.distributed import Context, broadcast_from_primary, spans_processes
-from common.engine import NonFiniteLoss, StopRequested, Trainer, saved_or_why
+from common.engine import StopRequested, Trainer, saved_or_why
+from common.loss_guard import NonFiniteLoss
 from common.errors import NONFINITE_EXIT_STATUS, WRITE_FAILED_EXIT_STATUS
 from common.meters import ClassReport, EpochMetrics
 from common.preemption import StopControl, TrainingStopped
@@ -47,7 +48,7 @@ class _LastCheckpointFailed(Exception):
 
 
 class TrainingDiverged(SystemExit):
-    """Raised on every process after a non-finite loss (see engine.LossGuard):
+    """Raised on every process after a non-finite loss (see loss_guard.LossGuard):
     the process exits with NONFINITE_EXIT_STATUS, without writing a checkpoint."""
 
     def __init__(self):

@@ -22,9 +22,10 @@ from common.config import Config
 from common.data import Loaders
 from common.distributed import Context, broadcast_from_primary
 from common.ema import ModelEMA, adjusted_decay, describe as describe_ema
-from common.engine import LossGuard, Trainer
+from common.engine import Trainer
 from common.errors import UsageError
 from common.fit import FitResult, fit, validate
+from common.loss_guard import LossGuard
 from common.models import uses_channels_last
 from common.preemption import StopControl
 from common.rundir import RunDirectory, auto_run_directory
@@ -90,16 +91,13 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
         raise RuntimeError(f"the training sampler's global batch {loaders.global_batch} is not the plan's "
                            f"{plan.global_batch} (-b x --accum-steps x replicas)")
     _describe_setup(log, policy, loaders, comm_hook, cfg)
-    schedule = plan.schedule
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
-    mixing = None if cfg.evaluate else BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, loaders.num_classes)
-    if mixing is not None:  # with how training's top-1 is counted under it
-        log.info(mixing.describe())
+    mixing = None if cfg.evaluate else _batch_mixing(cfg, loaders.num_classes, log)
     ema = plan.model_ema(model, evaluating=cfg.evaluate)
 
     def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
-        return Trainer(model, criterion, optimizer, schedule, policy, ctx, log, print_freq=cfg.print_freq,
+        return Trainer(model, criterion, optimizer, plan.schedule, policy, ctx, log, print_freq=cfg.print_freq,
                        channels_last=plan.channels_last, steps_per_epoch=cfg.steps_per_epoch,
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
@@ -107,9 +105,8 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
                        val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing, ema=ema)
 
     def resume(auto_dir: Optional[Path]) -> ResumePoint:  # --resume: where the checkpoint stopped, to the step
-        return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log,
-                                 global_batch=plan.global_batch, lr=plan.lr, comm_hook=comm_hook, auto_dir=auto_dir,
-                                 ema=ema)
+        return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, ema=ema,
+                                 global_batch=plan.global_batch, lr=plan.lr, comm_hook=comm_hook, auto_dir=auto_dir)
 
     if cfg.evaluate:
         # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
@@ -139,6 +136,14 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     finally:
         if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
             run_dir.close(started=started)
+
+
+def _batch_mixing(cfg: Config, num_classes: int, log: RunLog) -> Optional[BatchMixing]:
+    """--mixup-alpha and --cutmix-alpha's mixing (None without), said once with how training's top-1 is counted."""
+    mixing = BatchMixing.of(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes)
+    if mixing is not None:
+        log.info(mixing.describe())
+    return mixing
 
 
 def _describe_setup(log: RunLog, policy, loaders: Loaders, comm_hook: Optional[CommHook], cfg: Config) -> None:

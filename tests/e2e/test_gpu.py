@@ -67,7 +67,7 @@ def test_the_loss_guard_on_the_gpu_reads_its_flag_one_step_late_and_names_the_ba
     import torch
 
     from common.distributed import single_process
-    from common.engine import LossGuard, NonFiniteLoss
+    from common.loss_guard import LossGuard, NonFiniteLoss
 
     guard = LossGuard(single_process("cuda"))
     good, bad = torch.tensor(1.0, device="cuda"), torch.tensor(float("inf"), device="cuda")

@@ -368,7 +368,7 @@ def test_a_nan_in_the_last_step_of_an_epoch_stops_before_validation_and_its_chec
 
 def test_the_loss_guard_in_one_process():
     from common.distributed import single_process
-    from common.engine import LossGuard, NonFiniteLoss
+    from common.loss_guard import LossGuard, NonFiniteLoss
 
     guard = LossGuard(single_process("cpu"))
     assert guard.allows_update(torch.tensor(1.0), epoch=0, step=0, lr=0.1)

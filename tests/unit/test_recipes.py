@@ -282,7 +282,6 @@ def test_help_and_a_recipe_import_no_torch(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[-2000:] + done.stderr[-3000:]
 
 
-@pytest.mark.skip(reason="until h-opt/h-res/h-aug/h-ema merge")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_recipe_runs_on_each_script(mode):
     """Every recipe's flags are accepted by each script's parser, and land in
