@@ -106,7 +106,7 @@ def _add_model_flags(group, mode: str) -> None:
                             "(NCHW) otherwise")
     group.add_argument("--channels-last", dest="memory_format", action="store_const", const="channels_last",
                        help="the same as --memory-format channels_last")
-    group.add_argument("--blurpool", action="store_true",
+    group.add_argument("--blurpool", action=argparse.BooleanOptionalAction, default=False,
                        help="anti-aliased downsampling (FFCV's BlurPool): a fixed [1,2,1]x[1,2,1]/16 blur per channel "
                             "(reflect padding) before every convolution with a stride above 1 and 16 or more input "
                             "channels; no parameters added. Refused for an architecture that has no such convolution "
@@ -217,11 +217,11 @@ def _add_resolution_flags(group) -> None:
                             "the validation crop's default. Each new size is said once; --compile compiles for it")
     group.add_argument("--progressive-step", type=positive_int, default=32, metavar="PX",
                        help="with --progressive-resizing: the sizes between MIN_PX and MAX_PX are multiples of this")
-    group.add_argument("--val-flip", action="store_true",
+    group.add_argument("--val-flip", action=argparse.BooleanOptionalAction, default=False,
                        help="test-time flip: validation (and --evaluate) averages the logits of each image and of "
                             "its mirror image, and counts loss, top-1 and top-5 from the average (FFCV's; one more "
                             "forward pass per batch)")
-    group.add_argument("--ra-sampler", action="store_true",
+    group.add_argument("--ra-sampler", action=argparse.BooleanOptionalAction, default=False,
                        help="repeated augmentation (DeiT's, torchvision's --ra-sampler): each epoch draws len/K images "
                             "and trains on each K times (--ra-reps), each copy cropped and flipped on its own and, "
                             "with K or more processes, on another process; the epoch keeps the training set's length")
@@ -248,7 +248,7 @@ def _add_optimisation_flags(group) -> None:
     group.add_argument("--bias-weight-decay", type=non_negative_float, default=None, metavar="W",
                        help="weight decay of the other biases (all biases when --norm-weight-decay is not given); "
                             "default: --wd")
-    group.add_argument("--nesterov", action="store_true", help="Nesterov momentum (needs --momentum above 0)")
+    group.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum (needs --momentum above 0)")
     group.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="MAX",
                        help="scale the gradients down to this L2 norm (of all of them together) when above it, each "
                             "step: after DDP's exchange, --accum-steps' last micro-batch and fp16's unscaling")
@@ -293,7 +293,7 @@ def _schedule_name(text: str) -> str:
 
 
 def _add_ema_flags(group) -> None:
-    group.add_argument("--model-ema", action="store_true",
+    group.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False,
                        help="keep an exponential moving average of the weights and buffers (torch.optim.swa_utils, "
                             "as torchvision's references), validated beside the model after each epoch (metrics.csv "
                             "split val_ema); the better top-1 of the two makes the best checkpoint and the per-class "

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import close_fork_servers, make_image_folder
+# Two test processes (make test) each start training processes of two CPU threads on CI's 2 cores: OpenMP's
+# threads that spin while they wait for work (its default) then take turns with the other's, and two digits
+# runs side by side measured 2.5x slower each than with waiting threads that sleep (2-core Xeon, torch 2.14).
+# Set before torch is imported here or in any process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from helpers import close_fork_servers, make_image_folder  # noqa: E402 (after the variable: it imports torch)
 
 
 @pytest.fixture
