@@ -24,6 +24,8 @@ PYTEST_PROCESSES := $(if $(filter 0,$(TEST_PROCESSES)),,-n $(TEST_PROCESSES) --d
 RUNS ?= results/runs
 UPSTREAM ?= results/upstream
 NOTES ?= $(if $(filter results/runs,$(RUNS)),--notes results/NOTES.md)
+# Runs of the named recipes on the demo's digits (docs/recipes.md): RESULTS.md's recipes section only.
+RECIPE_RUNS ?= $(wildcard results/recipe-runs)
 # Benchmark CSVs (python -m common.tools.bench) whose tables RESULTS.md shows.
 BENCH ?= $(wildcard results/bench/*.csv)
 # The scaling model's predictions and validations (python -m common.tools.scaling, common.tools.link_validation).
@@ -59,7 +61,7 @@ bench: $(INSTALLED)
 figures: $(INSTALLED)
 	$(PY) -m common.tools.plots $(RUNS) --out figures
 	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) --recipes common/recipes $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
+	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) --recipes common/recipes $(if $(RECIPE_RUNS),--recipe-runs $(RECIPE_RUNS)) $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:

@@ -227,8 +227,9 @@ def read_run_dir(path: Path) -> Optional[Run]:
     if not (path / "metrics.csv").is_file():
         return None
     config = _read_config(path)
-    rows = read_rows(path / "metrics.csv", METRIC_COLUMNS[2:], lambda row: row.get("split") in ("train", "val")
-                     and (row.get("epoch") or "").isdigit()).reindex(columns=METRIC_COLUMNS)
+    # val_ema rows (--model-ema) are whole rows too: read, not warned about, and left out below.
+    rows = read_rows(path / "metrics.csv", METRIC_COLUMNS[2:], lambda row: row.get("split") in ("train", "val",
+                     "val_ema") and (row.get("epoch") or "").isdigit()).reindex(columns=METRIC_COLUMNS)
     rows["epoch"] = rows["epoch"].astype(int)
     rows = rows.drop_duplicates(["epoch", "split"], keep="last")  # an edited, repeated epoch: the last row
     train = rows[rows["split"] == "train"].set_index("epoch")

@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling", nargs="+", metavar="CSV", default=None,
                         help="CSV files of python -m common.tools.scaling and common.tools.link_validation: the "
                              "scaling model's section, one table per file")
+    parser.add_argument("--recipe-runs", nargs="+", metavar="RUN_DIR", default=None,
+                        help="run directories (or folders of them) of recipes measured here on other data than the "
+                             "runs above (the demo's digits): listed only in the recipes section, apart from the "
+                             "scaling tables")
     parser.add_argument("--recipes", metavar="DIR", default=None,
                         help="folder of the recipe files (common/recipes): a recipes section, the figures their "
                              "sources published apart from the runs of a recipe measured here")
@@ -466,7 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 f"quoted as last - first leaves it out. {grouped}", "",
                 summary_table(plots.summarize([*upstream, *runs]))]
     if args.recipes:
-        out += ["", recipes_section(args.recipes, runs)]
+        recipe_runs = [run for path in (args.recipe_runs or ()) for run in load_runs(path)]
+        out += ["", recipes_section(args.recipes, [*runs, *recipe_runs])]
     # This project's figures, and beside them the upstream logs' (python -m common.tools.plots UPSTREAM --out FIGURES/upstream).
     folders = {"this project": Path(args.figures), "upstream": Path(args.figures, "upstream")}
     if not upstream:

@@ -59,7 +59,7 @@ def digits(tmp_path_factory):
     from common.tools.demo_data import write_digits
 
     root = tmp_path_factory.mktemp("recipes") / "digits"
-    write_digits(root, image_size=32)  # 1,438 training and 359 validation images
+    write_digits(root)  # make demo's: 1,438 training and 359 validation images of 64 px
     return root
 
 
@@ -110,3 +110,30 @@ def test_every_recipe_starts_on_the_digits_with_its_flags_in_config_json(digits,
     assert [(row["epoch"], row["split"]) for row in metrics_rows(run_dir)] == [
         (str(epoch), split) for epoch in range(2) for split in splits]
     assert all(row["images"] == "359" for row in metrics_rows(run_dir) if row["split"] != "train")
+
+
+# docs/recipes.md's digits commands: the recipe, with the epochs, the image sizes, the batch and the rate made
+# for 1,438 images of 32 px, the digits' crops and flips, and (torchvision-v2) an EMA of a horizon of a few
+# dozen steps instead of an ImageNet run's thousands.
+DIGITS_RUNS = {
+    "torchvision-v2": ["-a", "resnet18", "--epochs", "20", "-b", "32", "--lr", "0.4", "--warmup-epochs", "2",
+                       "--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32",
+                       "--model-ema-steps", "4", "--model-ema-decay", "0.984"],
+    "ffcv-rn18-16": ["--epochs", "10", "-b", "64", "--lr", "0.4", "--progressive-resizing", "24", "32", "4", "7",
+                     "--progressive-step", "8", "--image-size", "32", "--val-resize-size", "36", "--val-crop-size",
+                     "32", "--no-val-flip"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DIGITS_RUNS)
+def test_a_recipe_trains_the_digits_to_95_percent(digits, tmp_path, name):
+    done = run_script([REPO / "imagenet_nd.py", digits, "--recipe", name, *DIGITS_RUNS[name], "--crop-scale", "0.5",
+                       "1", "--hflip", "0", "-j", "1", "-p", "100", "--logdir", tmp_path], timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics_rows(single_run_dir(tmp_path))
+    last_epoch = rows[-1]["epoch"]
+    top1 = {row["split"]: float(row["top1"]) for row in rows if row["epoch"] == last_epoch and row["split"] != "train"}
+    print(f"{name}: epoch {last_epoch}, validation top-1 {top1}")  # the model's and, with --model-ema, the EMA's
+    assert all(row["images"] == "359" for row in rows if row["split"] != "train")
+    assert max(top1.values()) >= 95.0, top1

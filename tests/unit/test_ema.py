@@ -276,6 +276,7 @@ def test_the_average_has_rows_of_its_own_that_the_tools_do_not_read_as_the_model
     assert "best val top-1 70.00% at epoch 0 (the EMA)" in out
     run = plots.read_run_dir(tmp_path)
     assert run.epochs["val_top1"].tolist() == [60.0]  # the model's, never the average's
+    assert "not whole" not in capsys.readouterr().err  # the average's rows are whole rows, not a damaged file
 
 
 def test_validation_picks_the_better_top1_and_its_report():
