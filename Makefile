@@ -17,7 +17,7 @@ endif
 # own processes keep about one of CI's two cores busy on average: two at once use both. 0: all in this
 # process (for a debugger).
 TEST_PROCESSES ?= 2
-PYTEST_PROCESSES := $(if $(filter 0,$(TEST_PROCESSES)),,-n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder)
+PYTEST_PROCESSES := $(if $(filter 0,$(TEST_PROCESSES)),,-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
 
 # `make figures`: figures/ and RESULTS.md from the run directories in RUNS (default: the runs
 # committed in results/runs; e.g. `make figures RUNS=runs` for your own) and the upstream logs.

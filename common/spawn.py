@@ -161,23 +161,32 @@ def _spawn_and_watch(train, cfg: Config, launch: Launch) -> None:
                for local_rank in range(launch.procs_per_node)]
 
     signals_received = []
+    told = set()  # the workers a stop signal was passed on to
+
+    def tell(signum) -> None:
+        for worker in workers:
+            if worker.pid is not None and worker.exitcode is None and worker.pid not in told:
+                told.add(worker.pid)
+                try:
+                    os.kill(worker.pid, signum)
+                except ProcessLookupError:  # it exited meanwhile
+                    pass
 
     def pass_on(signum, frame):
         signals_received.append(signum)
         if len(signals_received) > 1:  # asked twice: stop now (a hung job must still be stoppable)
             raise KeyboardInterrupt
-        for worker in workers:
-            if worker.pid is not None and worker.exitcode is None:
-                try:
-                    os.kill(worker.pid, signum)
-                except ProcessLookupError:  # it exited meanwhile
-                    pass
+        tell(signum)
 
     stop_signals = {signal.SIGTERM, signal.Signals[cfg.preempt_signal]}
     previous = {signum: signal.signal(signum, pass_on) for signum in stop_signals}
     try:
         for worker in workers:
             worker.start()
+        # A stop that came while they were being started reaches those not started then (a loaded 2-core
+        # machine in CI: both workers then trained on, the stop lost).
+        if signals_received:
+            tell(signals_received[0])
         # After a peer timed out, the others of more than two run a roll call before they exit (common.rendezvous).
         _watch(workers, signals_received, roll_call_seconds(cfg.dist_timeout) if launch.world_size > 2 else 0.0,
                cfg.dist_timeout)

@@ -44,48 +44,53 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# `make test` runs the tests in two processes (pytest-xdist, --dist loadgroup). The tests of a file whose
-# fixtures are made once per module (a reference run, a Slurm cluster) run in one process, in order, so
-# those are made once; the other tests go one by one to whichever process is free. The files that make
-# network namespaces share one process: test_slurm's cluster checks that /etc/hosts and the namespace
-# folder are as it found them, which another file's namespaces coming and going would change.
+# `make test` runs the tests in two processes (pytest-xdist). Each file's tests run in one of them, in order
+# (pytest_xdist_make_scheduler below), so a module's fixtures (a reference run, a Slurm cluster, the digits)
+# are made once. The files that make network namespaces share one process: test_slurm's cluster checks that
+# /etc/hosts and the namespace folder are as it found them, which another file's namespaces coming and going
+# would change.
 SHARED_GROUPS = {"tests/cluster/test_slurm.py": "namespaces", "tests/cluster/test_scaling_validation.py": "namespaces",
                  "tests/e2e/test_fault_tolerance.py": "namespaces"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def group_of(file: str) -> str:
+    """The group of tests (a file, or SHARED_GROUPS') that one test process runs, in order."""
+    return SHARED_GROUPS.get(file, file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler by file, where the files of a SHARED_GROUPS group are one unit (its
+    --dist loadgroup marks its own groups by renaming the tests, which pytest 9.2's node ids no longer
+    allow: with pytest-xdist 3.8 a file's tests ran in both processes)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]  # relative to tests/, the root pytest.ini makes
+            return group_of(file if file.startswith("tests/") else f"tests/{file}")
+
+    return FileGroups(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: skipped, with the reason shown, where there is none. The tests
-    that must share a process join its xdist group, and the longest work comes first (the groups
-    with the most slow tests, then slow tests, then the rest: pytest-xdist then keeps that order,
-    --no-loadscope-reorder), so that neither process is left with a long file at the end."""
+    """`gpu` tests need CUDA: skipped, with the reason shown, where there is none. The groups with
+    the most slow tests come first, so that the two test processes start on the long work and
+    neither is left with a long file at the end (the scheduler keeps this order:
+    --no-loadscope-reorder)."""
     import torch
 
-    groups = {item: _group_of(item) for item in items}
+    groups = {item: group_of(_file_of(item)) for item in items}
     slow_tests = {}
     for item, group in groups.items():
         slow_tests[group] = slow_tests.get(group, 0) + ("slow" in item.keywords)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    # Stable: a group's tests keep their order, and so their module's fixtures are made once.
-    items.sort(key=lambda item: (groups[item] is None, -slow_tests[groups[item]], "slow" not in item.keywords))
+    items.sort(key=lambda item: -slow_tests[groups[item]])  # stable: each file keeps its order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _group_of(item):
-    """The xdist group the test must run in (its file's, or a SHARED_GROUPS one), or None: any process."""
-    path = _file_of(item)
-    if path in SHARED_GROUPS:
-        return SHARED_GROUPS[path]
-    definitions = getattr(item, "_fixtureinfo", None)
-    scopes = {definition.scope for chain in (definitions.name2fixturedefs.values() if definitions else ())
-              for definition in chain}
-    return path if scopes & {"module", "class", "package"} else None
 
 
 def _file_of(item) -> str:
