@@ -760,7 +760,6 @@ def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys
         assert row["ms_per_step"] == pytest.approx(row["compute_ms"] + row["exposed_comm_ms"] + row["data_wait_ms"],
                                                    abs=0.02)
         assert row["compute_ms"] > 0 and row["data_wait_ms"] == 0
-    # Two processes with fp32 all-reduces exchange 44.6 MiB a step over gloo: that step is slower than compute alone
-    # on any machine. PowerSGD's rank-1 factors are a few KiB, whose exposed time is within the timing's noise (a
-    # loaded Xeon measured it below zero once): its row is checked to add up, above, not to be positive.
-    assert rows[1]["exposed_comm_ms"] > 0
+    # Each row is checked to add up, above, not the exposed time to be positive: it is the difference of two
+    # timed steps, which a loaded 2-core machine measured below zero for PowerSGD's few KiB, and, with another
+    # test process beside it, for the 44.6 MiB of fp32 all-reduces too (-117 ms). How large it is, is make bench's.
