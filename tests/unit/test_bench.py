@@ -761,5 +761,5 @@ def test_the_scaling_section_splits_real_ddp_steps(tmp_path, monkeypatch, capsys
                                                    abs=0.02)
         assert row["compute_ms"] > 0 and row["data_wait_ms"] == 0
     # Each row is checked to add up, above, not the exposed time to be positive: it is the difference of two
-    # timed steps, which a loaded 2-core machine measured below zero for PowerSGD's few KiB, and, with another
-    # test process beside it, for the 44.6 MiB of fp32 all-reduces too (-117 ms). How large it is, is make bench's.
+    # timed steps, which a loaded 2-core machine measured below zero for PowerSGD's few KiB, and (load average 7)
+    # for the 44.6 MiB of fp32 all-reduces too (-117 ms). How large it is, is make bench's to say.
