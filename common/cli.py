@@ -45,11 +45,10 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
         _check_values(ns)
     except UsageError as error:
         raise _blamed_on_recipe(error, parser, ns.recipe, kept) from None
-    values = vars(ns)  # argparse destinations are the Config field names
+    # argparse destinations are the Config field names; a flag's several values (--lr-steps, --crop-scale,
+    # --progressive-resizing) a tuple, not a list: the Config is frozen
+    values = {dest: tuple(value) if isinstance(value, list) else value for dest, value in vars(ns).items()}
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
-    values.update(lr_steps=tuple(ns.lr_steps), crop_scale=tuple(ns.crop_scale))  # frozen: tuples, not lists
-    if ns.progressive_resizing is not None:
-        values["progressive_resizing"] = tuple(ns.progressive_resizing)
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
     return Config(mode=mode, recipe_overridden=overridden, **values)
 
