@@ -336,9 +336,12 @@ def recipes_section(folder: str, runs: Sequence[plots.Run]) -> str:
         name = ((run.config or {}).get("options") or {}).get("recipe")
         if name:
             last_epoch, top1, _ = plots.last_validation(run)
+            environment = (run.config or {}).get("environment") or {}
+            versions = ", ".join(f"{key} {environment[key]}" for key in ("cpu_model", "cpu_capability", "torch")
+                                 if environment.get(key))  # the machine and versions each figure was measured on
             measured.append([f"`{run.name}`", f"`{name}`", plots.count_label(run.replicas, run.device_kind),
-                             len(run.epochs), f"{number(top1)}% (epoch {last_epoch})" if last_epoch is not None
-                             else "—", number(plots.training_seconds(run), 1)])
+                             versions or "—", len(run.epochs), f"{number(top1)}% (epoch {last_epoch})"
+                             if last_epoch is not None else "—", number(plots.training_seconds(run), 1)])
     return "\n".join([
         "## Recipes", "",
         f"**Published by their sources, not measured by this project:** each recipe's ImageNet top-1 as its source "
@@ -347,7 +350,8 @@ def recipes_section(folder: str, runs: Sequence[plots.Run]) -> str:
         table(["recipe", "model", "published top-1 (the source's)", "epochs", "hardware (the source's)",
                "wall time (the source's)", "source"], published), "",
         "### Runs of a recipe measured by this project", "",
-        table(["run", "recipe", "scale", "epochs", "last val top-1", "training time (s)"], measured) if measured
+        table(["run", "recipe", "scale", "hardware and versions", "epochs", "last val top-1", "training time (s)"],
+              measured) if measured
         else "None among the runs above."])
 
 

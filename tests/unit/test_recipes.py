@@ -322,7 +322,7 @@ def test_results_tables_the_published_figures_apart_from_the_runs_of_a_recipe_me
     assert "Nov23" not in published  # no measured run among the sources' figures
     measured_rows = [line for line in measured.splitlines() if line.startswith("| `")]
     assert measured_rows == ["| `Nov23_10-00-00_node-a_resnet18_cpux2_b4_cpu1_optO0` | `ffcv-rn18-16` | 2 CPU "
-                             "processes | 3 | 60.00% (epoch 2) | 360.0 |"]
+                             "processes | cpu_model Test CPU 9000, torch 2.4.0 | 3 | 60.00% (epoch 2) | 360.0 |"]
     with contextlib.redirect_stdout(io.StringIO()):
         without = results.main([str(tmp_path / "runs"), "--figures", str(tmp_path)])
     assert "## Recipes" not in without  # only with --recipes (make figures gives it)
