@@ -79,6 +79,11 @@ class Sample(NamedTuple):
     # This image's dataset index when it is above Pillow's decompression-bomb limit (image_files.large_pixels):
     # counted and one named by the training loop (BadImages), instead of Pillow's anonymous warning.
     large_index: int = -1
+    # Where file_bytes came from (common.storage.Fetched): bytes pulled from DATA's storage for this sample (for a
+    # sharded dataset behind --data-cache, a whole shard copied into the cache on its first read), and bytes
+    # read from the node-local cache. Image files and uncached shards: all of it from the source.
+    source_bytes: int = 0
+    cache_bytes: int = 0
 
 
 def image_and_copy(key) -> Tuple[int, int]:
@@ -143,7 +148,7 @@ class ImageFolderDataset(Dataset):
             self.known_bad.add(index)
             bad_index, bad_reason = index, error.reason
             image, target, file_bytes = self._next_readable(index, copy)
-        return Sample(image, target, file_bytes, bad_index, bad_reason, large_index)
+        return Sample(image, target, file_bytes, bad_index, bad_reason, large_index, source_bytes=file_bytes)
 
     def _load(self, index: int, path: str, sample: int, copy: int = 0):
         """`path` (sample `sample`'s) through the pipeline, with the random draws of copy `copy` of image `index`."""
