@@ -114,8 +114,11 @@ class ShardedDataset:
     def describe(self) -> str:
         """One note for the run's start: what is read, and from where."""
         shards = sum(len(self.manifest["splits"][split]["shards"]) for split in SPLITS)
-        return (f"data: {len(self.train):,} training and {len(self.val):,} validation images in {shards} shards "
-                f"of {self.store.describe()}")
+        encoding = self.manifest["encoding"]
+        side = f"longest side {encoding.get('max_side')} px, " if encoding.get("max_side") else ""
+        stored = ("as packed from the source" if encoding["kind"] == "as-is" else
+                  f"re-encoded ({side}JPEG quality {encoding['jpeg_quality']})")
+        return f"shards: {shards} in {self.store.describe()}, images {stored}"
 
 
 def read_manifest(store: Store) -> dict:

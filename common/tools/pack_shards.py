@@ -233,7 +233,8 @@ def pack_split(args, split: str, files: FileList, plans: List[np.ndarray], encod
         kept = record is not None
         if not kept:
             record = write_shard(args.out / name, indices, files, encoding)
-            atomic_write(args.out / WORK_FOLDER / f"{name}.json", lambda handle: handle.write(json.dumps(record).encode()))
+            encoded_record = json.dumps(record).encode()
+            atomic_write(args.out / WORK_FOLDER / f"{name}.json", lambda handle: handle.write(encoded_record))
         records.append(record)
         progress.shard_done(record, kept)
     return records

@@ -9,8 +9,8 @@ import torch
 
 from common.rundir import CHECKPOINT_NAME
 from common.tools import pack_shards
-from helpers import (ENV, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows, run_script,
-                     single_run_dir, weights)
+from helpers import (ENV, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
+                     run_script, single_run_dir, weights)
 
 # Random crops and flips (the default scale and flip), drawn in a data-loading worker.
 TRAIN = ["-a", "squeezenet1_1", "--image-size", "32", "--val-resize", "32", "-b", "4", "-j", "1", "-p", "1"]
@@ -34,7 +34,7 @@ def test_a_run_on_the_shards_ends_on_the_weights_of_the_run_on_the_tree(tree, pa
         done = run_script([REPO / "imagenet_nd.py", data, *TRAIN, "--epochs", "1", "--logdir", tmp_path / name],
                           env_extra=ENV)
         assert done.returncode == 0, done.stderr
-    assert "data: 24 training and 9 validation images in 9 shards of" in done.stdout
+    assert f"shards: 9 in {packed}, images as packed from the source" in done.stdout
     on_tree, on_shards = single_run_dir(tmp_path / "tree"), single_run_dir(tmp_path / "shards")
     assert max_abs_diff(weights(on_tree), weights(on_shards)) == 0.0
     assert metrics(on_shards) == metrics(on_tree)  # every figure but the timings
@@ -44,7 +44,8 @@ def test_a_run_on_the_shards_ends_on_the_weights_of_the_run_on_the_tree(tree, pa
 
 @pytest.mark.slow  # ~20 s
 def test_two_processes_on_shards_resume_mid_epoch_to_the_uninterrupted_weights(packed, tmp_path):
-    # 24 images, 2 processes of 4: 3 steps an epoch; a checkpoint every 2 steps of the run gives one after step 1 of epoch 1.
+    # 24 images, 2 processes of 4: 3 steps an epoch; a checkpoint every 2 steps of the run gives one after
+    # step 1 of epoch 1.
     run = [REPO / "imagenet_ddp.py", packed, *TRAIN, "-j", "0", "--nproc-per-node", "2", "--epochs", "2",
            "--checkpoint-every", "2steps", "--keep-checkpoints", "10", "--logdir", tmp_path / "runs"]
     whole = run_script(run, env_extra=ENV)

@@ -21,7 +21,7 @@ from common.arguments import byte_size
 from common.dataset_lists import scan_dataset
 from common.errors import USAGE_EXIT_STATUS, UsageError
 from common.image_files import BadImageError
-from common.pipelines import TensorImages
+from common.pipelines import EncodedImages, PILImages, TensorImages, train_transform
 from common.tools import pack_shards
 from helpers import make_image_folder
 
@@ -106,16 +106,21 @@ def test_a_sharded_split_reads_every_image_as_the_tree_holds_it(tree, packed):
             assert sharded.name(index) == f"{Path(files[index][0]).relative_to(tree)} (in {sharded.shard(index)})"
 
 
-def test_the_shards_give_the_trees_samples_crops_and_byte_counts(tree, packed):
+# encoded: what the workers of the gpu and dali backends hand over (the file's bytes and the crop)
+@pytest.mark.parametrize("backend", ["torchvision", "pil", "encoded"])
+def test_the_shards_give_the_trees_samples_crops_and_byte_counts(tree, packed, backend):
     sharded, lists = shards.open_sharded(str(packed)), scan_dataset(tree)
-    pipeline = TensorImages(True, 16, reduced_decode=False)
+    pipeline = {"torchvision": TensorImages(True, 16, reduced_decode=False), "encoded": EncodedImages(True, 16),
+                "pil": PILImages(train_transform(16))}[backend]
     on_files = data.ImageFolderDataset(lists.train, pipeline, augmentation_seed=5)
     on_shards = data.ImageFolderDataset(sharded.train, pipeline, augmentation_seed=5)
     for epoch in (0, 1):
         on_files.epoch = on_shards.epoch = epoch
         for index in (0, 7, 23):
             ours, theirs = on_shards[index], on_files[index]
-            assert torch.equal(ours.image, theirs.image) and ours.target == theirs.target
+            same = (torch.equal(ours.image.data, theirs.image.data) and ours.image.geometry == theirs.image.geometry
+                    if backend == "encoded" else torch.equal(ours.image, theirs.image))
+            assert same and ours.target == theirs.target
             assert ours.file_bytes == theirs.file_bytes == ours.source_bytes == theirs.source_bytes > 0
             assert ours.cache_bytes == theirs.cache_bytes == 0
 
