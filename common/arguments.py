@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import resource
 from typing import Callable, Optional, Sequence
 
@@ -85,6 +86,20 @@ def percent(text: str) -> float:
 
 
 # --- what this machine can hold: the bounds of counts and sizes a flag asks for ---
+
+_SIZE_UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12,
+               "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """'500G', '200M', '256MiB', '1.5T' or plain bytes -> bytes: K, M, G, T
+    decimal (as format_bytes and df -H count), KiB, MiB, GiB, TiB binary."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 200M, 500G or 256MiB, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
+
 
 def usable_cores() -> int:
     """The CPU cores this process may run on: its affinity (what taskset, a

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from common import launcher, process_signals, recipes
 from common.architectures import available_architectures
 from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
-from common.config import MODES, Config
+from common.config import MODES, OBJECT_STORE_SCHEMES, Config, is_sharded
 from common.errors import UsageError, error_summary, run_main
 from common.flags import build_parser
 
@@ -247,7 +247,7 @@ def _check_output_paths(ns: argparse.Namespace) -> None:
     for flag, value in (("DATA", ns.data), ("--logdir", ns.logdir), ("--resume", ns.resume),
                         ("--file-list", ns.file_list), ("--report-dir", ns.report_dir)):
         # Taken for a path, s3://KEY:SECRET@bucket would become local folders named after the secret.
-        if value is not None and _URL.match(value):
+        if value is not None and _URL.match(value) and not (flag == "DATA" and value.startswith(OBJECT_STORE_SCHEMES)):
             where = flag if flag == "DATA" else f"argument {flag}"
             raise UsageError(f"{where}: {value!r} is a URL; give a path on a local or mounted file system")
     if ns.run_name is not None and (not ns.run_name or os.sep in ns.run_name or ns.run_name in (".", "..")):
@@ -278,6 +278,9 @@ def _check_dataset(ns: argparse.Namespace) -> None:
     """DATA and --file-list, unless --synthetic."""
     if ns.data is None:
         raise UsageError("DATA: missing; give the dataset folder (holding train/ and val/), or use --synthetic")
+    _check_shard_flags(ns)
+    if is_sharded(ns.data):
+        return  # its manifest and shards are checked by the primary before training (common.shards)
     root = Path(ns.data)
     if not _is(root, Path.is_dir, "DATA"):
         what = "not a directory" if _is(root, Path.exists, "DATA") else "no such directory"
@@ -290,6 +293,35 @@ def _check_dataset(ns: argparse.Namespace) -> None:
             raise UsageError(f"argument --file-list: {ns.file_list} is a directory; give the list file "
                              f"(python -m common.tools.filelist DATA PATH writes one)")
         raise UsageError(f"argument --file-list: no such file: {ns.file_list}")
+
+
+def _check_shard_flags(ns: argparse.Namespace) -> None:
+    """A sharded DATA's flags: each only with the DATA it is for; no credentials in a URL."""
+    sharded, object_store = is_sharded(ns.data), ns.data.startswith(OBJECT_STORE_SCHEMES)
+    if object_store and (_CREDENTIALS_IN_URL.match(ns.data) or not ns.data.split("://", 1)[1].strip("/")):
+        what = "credentials in the URL" if "@" in ns.data else "no bucket"
+        raise UsageError(f"DATA {ns.data}: {what}; give s3://bucket/prefix, with credentials from the AWS "
+                         f"environment or profile")
+    for flag, value, needed in (("--file-list", ns.file_list, not sharded), ("--data-cache", ns.data_cache, sharded),
+                                ("--data-cache-size", ns.data_cache_bytes or None, ns.data_cache is not None),
+                                ("--s3-endpoint-url", ns.s3_endpoint_url, object_store)):
+        if value is not None and not needed:
+            why = {"--file-list": "a sharded DATA lists its images in its manifest and index",
+                   "--data-cache": "it caches shards; DATA is no sharded dataset (python -m common.tools.pack_shards "
+                                   "DATA OUT makes one)",
+                   "--data-cache-size": "it sizes --data-cache, not given",
+                   "--s3-endpoint-url": "DATA is no s3:// URL"}[flag]
+            raise UsageError(f"argument {flag}: not here: {why}")
+    url = ns.s3_endpoint_url
+    if url is not None and (not re.match(r"https?://[^/@\s]+(/|$)", url)):
+        raise UsageError(f"argument --s3-endpoint-url: {url!r}: expected http(s)://HOST[:PORT], without "
+                         f"credentials (those come from the AWS environment or profile)")
+    if ns.data_cache is not None and _is(Path(ns.data_cache), Path.exists, "--data-cache") and \
+            not _is(Path(ns.data_cache), Path.is_dir, "--data-cache"):
+        raise UsageError(f"argument --data-cache: {ns.data_cache} is not a folder")
+
+
+_CREDENTIALS_IN_URL = re.compile(r"[A-Za-z0-9+.-]+://[^/]*@")
 
 
 def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:

@@ -10,6 +10,7 @@ hold: the run directory's format, which common.tools reads back.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Tuple, Union
 
 # The parallelism modes, one per entry script (imagenet_<mode>.py).
@@ -27,6 +28,17 @@ DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
 # system that stopped answering.
 DATA_TIMEOUT_SECONDS = 600.0
 MAX_DATA_TIMEOUT_SECONDS = 7 * 24 * 3600.0  # a week; more would overflow the clocks a wait is timed by (0: for ever)
+
+# A sharded dataset (common.shards, written by python -m common.tools.pack_shards): a folder holding this file,
+# or an object store's prefix. Here, torch-free, so the command line tells DATA's kinds apart before torch loads.
+MANIFEST_NAME = "manifest.json"
+OBJECT_STORE_SCHEMES = ("s3://",)
+
+
+def is_sharded(data: str) -> bool:
+    """Whether DATA is a sharded dataset: s3://bucket/prefix, or a folder holding MANIFEST_NAME."""
+    return data.startswith(OBJECT_STORE_SCHEMES) or os.path.isfile(os.path.join(data, MANIFEST_NAME))
+
 
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -105,6 +117,9 @@ class Config:
     dropout: Optional[float] = None  # None: the architecture's own default
     bad_images: str = "fail"  # fail | skip: what an unreadable image file does
     file_list: Optional[str] = None  # "split/relative/path label" lines naming DATA's images; None: scan (cached)
+    data_cache: Optional[str] = None  # a sharded DATA's node-local cache folder (--data-cache); None: read the source
+    data_cache_bytes: int = 0  # the cache's cap; 0: what its disk has free, less a margin
+    s3_endpoint_url: Optional[str] = None  # an s3:// DATA's endpoint; None: the AWS environment's or profile's
     deterministic: bool = False  # deterministic algorithms (cuDNN, cuBLAS, ...), at a speed cost on GPUs
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
     data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)

@@ -43,7 +43,8 @@ from common.augment import ImageAugmentation
 from common.config import Config, CropSizes
 from common.distributed import Context, gather_to_primary
 from common.errors import UsageError
-from common.dataset_lists import FileList, find_lists
+from common.dataset_lists import FileList, ImageFiles, find_lists
+from common.shards import ShardedSplit, is_sharded, open_sharded
 from common.launcher import oversubscription
 from common.process_signals import data_loader_context, data_loader_worker_init
 from common.dali import DaliDecoder
@@ -100,8 +101,10 @@ def derived_seed(*parts: int) -> int:
 
 
 class ImageFolderDataset(Dataset):
-    """(image, class index) for a list of (path, class index); `pipeline`
-    turns a path into (image, bytes read) (see common.pipelines).
+    """(image, class index) for a list of (path, class index), or for a
+    split of a sharded dataset (common.shards.ShardedSplit); `pipeline` turns
+    an image's bytes and name into (image, bytes read) (see
+    common.pipelines: from_bytes).
 
     With `augmentation_seed` set (training), the random crop and flip of
     image `index` in epoch `epoch` draw from derived_seed(augmentation_seed,
@@ -123,7 +126,11 @@ class ImageFolderDataset(Dataset):
     def __init__(self, samples: Sequence[Tuple[str, int]], pipeline: Callable, augmentation_seed: Optional[int] = None,
                  skip_bad_images: bool = False, workers: int = 0,
                  pipeline_of_epoch: Optional[Callable[[int], Callable]] = None):
-        self.samples = samples if isinstance(samples, FileList) else FileList(samples)  # no per-sample objects
+        if isinstance(samples, ShardedSplit):
+            self.samples, self.reader = samples, samples
+        else:
+            self.samples = samples if isinstance(samples, FileList) else FileList(samples)  # no per-sample objects
+            self.reader = ImageFiles(self.samples)
         self.pipeline = pipeline
         self.pipeline_of_epoch = pipeline_of_epoch
         self.augmentation_seed = augmentation_seed
@@ -137,21 +144,23 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, key) -> Sample:
         index, copy = image_and_copy(key)
-        path, target = self.samples[index]
         bad_index, bad_reason, large_index = -1, "", -1
         try:
-            image, file_bytes, large_pixels = self._load(index, path, index, copy)
+            (image, file_bytes, large_pixels), fetched = self._load(index, index, copy)
+            target = self.samples[index][1]
             large_index = index if large_pixels else -1
         except BadImageError as error:
             if not self.skip_bad_images:
                 raise
             self.known_bad.add(index)
             bad_index, bad_reason = index, error.reason
-            image, target, file_bytes = self._next_readable(index, copy)
-        return Sample(image, target, file_bytes, bad_index, bad_reason, large_index, source_bytes=file_bytes)
+            image, target, file_bytes, fetched = self._next_readable(index, copy)
+        return Sample(image, target, file_bytes, bad_index, bad_reason, large_index,
+                      source_bytes=fetched.source_bytes, cache_bytes=fetched.cache_bytes)
 
-    def _load(self, index: int, path: str, sample: int, copy: int = 0):
-        """`path` (sample `sample`'s) through the pipeline, with the random draws of copy `copy` of image `index`."""
+    def _load(self, index: int, sample: int, copy: int = 0):
+        """Sample `sample` read and through the pipeline, with the random draws
+        of copy `copy` of image `index`: (pipelines.Loaded, storage.Fetched)."""
         if self.augmentation_seed is not None:
             # torchvision's random transforms draw from torch's global generator (and user transforms
             # often from Python's): both are reseeded per image. With -j 0 this is the training
@@ -163,7 +172,8 @@ class ImageFolderDataset(Dataset):
         pipeline = self.pipeline if self.pipeline_of_epoch is None else self.pipeline_of_epoch(self.epoch)
         self.reading.started(sample)
         try:
-            return pipeline(path)
+            fetched = self.reader.read(sample)
+            return pipeline.from_bytes(fetched.data, self.samples[sample][0]), fetched
         finally:
             self.reading.finished()
 
@@ -174,13 +184,12 @@ class ImageFolderDataset(Dataset):
             candidate = (index + offset) % len(self.samples)
             if candidate in self.known_bad:
                 continue
-            path, target = self.samples[candidate]
             try:
-                image, file_bytes, _ = self._load(index, path, candidate, copy)  # the unreadable one's draws
+                (image, file_bytes, _), fetched = self._load(index, candidate, copy)  # the unreadable one's draws
             except BadImageError:
                 self.known_bad.add(candidate)
                 continue
-            return image, target, file_bytes
+            return image, self.samples[candidate][1], file_bytes, fetched
         raise BadImageError(f"{self.samples[index][0]}: no image of its split can be decoded "
                             f"(--bad-images skip has nothing to use instead)")
 
@@ -496,15 +505,21 @@ def build_datasets(cfg: Config, ctx: Context,
             notes.append("note: --synthetic: its random images are not augmented (--auto-augment, --random-erase); "
                          "--mixup-alpha and --cutmix-alpha still mix its batches")
         return train, val, classes, notes
-    lists = find_lists(cfg.data, cfg.file_list, ctx)
+    if is_sharded(cfg.data):
+        # The primary reads the manifest and indexes, once per job, and broadcasts them (see open_sharded).
+        found = open_sharded(cfg.data, cfg.data_cache, cfg.data_cache_bytes, cfg.s3_endpoint_url, ctx)
+        notes = [found.describe()]
+    else:
+        found = find_lists(cfg.data, cfg.file_list, ctx)
+        notes = found.notes
     skip = cfg.bad_images == "skip"
     by_epoch = (EpochPipelines(functools.partial(pipeline, cfg, True, decoder), sizes)
                 if cfg.progressive_resizing is not None else None)
-    train = ImageFolderDataset(lists.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
+    train = ImageFolderDataset(found.train, pipeline(cfg, train=True, decoder=decoder), augmentation_seed=cfg.seed,
                                skip_bad_images=skip, workers=cfg.workers, pipeline_of_epoch=by_epoch)
-    val = ImageFolderDataset(lists.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip,
+    val = ImageFolderDataset(found.val, pipeline(cfg, train=False, decoder=decoder), skip_bad_images=skip,
                              workers=cfg.workers)
-    return train, val, lists.classes, lists.notes
+    return train, val, found.classes, notes
 
 
 def pipeline(cfg: Config, train: bool, decoder: Optional[JpegDecoder] = None,

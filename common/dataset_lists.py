@@ -48,6 +48,8 @@ import numpy as np
 from common.distributed import Context, decided_by_primary, spans_processes
 from common.errors import UsageError
 from common.files import atomic_write, on_shared_filesystem, user_cache_folder
+from common.image_files import read_file
+from common.storage import Fetched
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val")
@@ -120,6 +122,26 @@ class FileList(Sequence):
         if len(listed.path_ends) != len(listed.targets):
             raise ValueError(f"{name}: {len(listed.path_ends)} paths but {len(listed.targets)} classes")
         return listed
+
+
+class ImageFiles(Sequence):
+    """The reader of a folder tree's images: its FileList's (path, class
+    index) samples, each read whole from the file system. A sharded
+    dataset's split (common.shards.ShardedSplit) is the other reader: the
+    same sequence of (name, class index), each read from its shard."""
+
+    def __init__(self, files: FileList):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index):
+        return self.files[index]
+
+    def read(self, index: int) -> Fetched:
+        data = read_file(self.files[index][0])
+        return Fetched(data, source_bytes=len(data))
 
 
 def pack(names: List[bytes]) -> Tuple[np.ndarray, np.ndarray]:

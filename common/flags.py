@@ -17,7 +17,7 @@ from common.architectures import available_architectures
 from common.config import (AUTO_AUGMENT_POLICIES, CONSTANT_WARMUP_DECAY, DATA_BACKENDS, DATA_TIMEOUT_SECONDS,
                            DDP_COMM_HOOKS, LR_SCHEDULE_ALIASES, LR_SCHEDULES, MAX_DATA_TIMEOUT_SECONDS, MODES,
                            PREEMPT_SIGNALS, WARMUP_METHODS)
-from common.arguments import (Parser, float_in, int_at_least, non_negative_float, non_negative_int, percent,
+from common.arguments import (Parser, byte_size, float_in, int_at_least, non_negative_float, non_negative_int, percent,
                               positive_float, positive_int, seed_int, unit_interval)
 from common.errors import STOPPED_EXIT_STATUS, program
 from common import recipes
@@ -56,8 +56,10 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "data", metavar="DATA", nargs="?", default=None,
-        help="dataset folder holding train/<class>/<images> and val/<class>/<images> "
-             "(may be omitted with --synthetic)",
+        help="dataset folder holding train/<class>/<images> and val/<class>/<images>; or the shards of one "
+             "(a folder holding manifest.json, written by python -m common.tools.pack_shards DATA OUT; or "
+             "s3://bucket/prefix, credentials from the AWS environment or profile, never in the URL); "
+             "may be omitted with --synthetic",
     )
     _add_recipe_flag(parser.add_argument_group("recipe"))
     _add_model_flags(parser.add_argument_group("model"), mode)
@@ -169,6 +171,22 @@ def _add_data_flags(group) -> None:
                             "reading (a worker that was stopped, a network file system that stopped answering), "
                             "after a checkpoint when it trains in one process with --workers 1 or more. 0: wait "
                             "for ever")
+    _add_shard_flags(group)
+
+
+def _add_shard_flags(group) -> None:
+    """A sharded DATA's (python -m common.tools.pack_shards; docs/launching.md#shards)."""
+    group.add_argument("--data-cache", default=None, metavar="DIR",
+                       help="sharded DATA only: a node-local folder (local disk) where each node copies each shard "
+                            "whole on its first read; later reads, epochs and requeued jobs read it there, and the "
+                            "processes of a node share it. Every epoch reads from every shard, so size it for the "
+                            "whole dataset")
+    group.add_argument("--data-cache-size", dest="data_cache_bytes", type=byte_size, default=0, metavar="SIZE",
+                       help="--data-cache's cap (200M, 500G, 1T, 256GiB): past it the least recently used shards "
+                            "are evicted. Default: what its disk has free, less a margin")
+    group.add_argument("--s3-endpoint-url", default=None, metavar="URL",
+                       help="s3:// DATA only: the S3-compatible server (http(s)://HOST[:PORT]). Default: the AWS "
+                            "environment's or profile's (AWS_ENDPOINT_URL), else AWS itself")
 
 
 # MixUp's and CutMix's alpha: below 0.01 torch's Beta sampler (float32) returns 0.5 for many draws instead of

@@ -56,7 +56,7 @@ from torchvision import transforms
 from torchvision.transforms.v2 import functional as tensor_ops
 
 from common.augment import ImageAugmentation
-from common.image_files import decode_rgb, large_pixels, load_rgb, open_image, read_file, read_rgb, uint8_tensor
+from common.image_files import decode_rgb, large_pixels, load_rgb, open_image, read_file, uint8_tensor
 from common.jpeg_decoders import EXIF_ORIENTATION, JPEG_END, JpegDecoder, JpegHeader, choose_jpeg_decoder, jpeg_header
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -110,15 +110,27 @@ def val_transform(image_size: int, val_resize: int):
     ])
 
 
-class PILImages:
-    """--data-backend pil: path -> (normalised float image, bytes read)."""
+class ImagePipeline:
+    """A backend's pipeline: an image's encoded bytes and its name (for
+    messages) -> Loaded (from_bytes), whoever read them (a file, a shard:
+    common.data's readers); called with a path, it reads the file first."""
+
+    def __call__(self, path: str) -> Loaded:
+        return self.from_bytes(read_file(path), path)
+
+    def from_bytes(self, encoded: bytes, name: str) -> Loaded:
+        raise NotImplementedError
+
+
+class PILImages(ImagePipeline):
+    """--data-backend pil: (normalised float image, bytes read)."""
 
     def __init__(self, transform):
         self.transform = transform
 
-    def __call__(self, path: str) -> Loaded:
-        image, file_bytes = read_rgb(path)
-        return Loaded(self.transform(image), file_bytes, large_pixels(image.size))
+    def from_bytes(self, encoded: bytes, name: str) -> Loaded:
+        image = decode_rgb(encoded, name)
+        return Loaded(self.transform(image), len(encoded), large_pixels(image.size))
 
 
 # The fast pipelines: uint8 tensors, one geometry for every decoder.
@@ -187,8 +199,8 @@ def _tensor_decodable(image: Image.Image) -> bool:
     return "exif" not in image.info or image.getexif().get(EXIF_ORIENTATION, 1) == 1
 
 
-class TensorImages:
-    """--data-backend torchvision: path -> (3 x S x S uint8 image, bytes
+class TensorImages(ImagePipeline):
+    """--data-backend torchvision: (3 x S x S uint8 image, bytes
     read). With `train`, the crop and flip are drawn from torch's generator
     exactly as the reference's RandomResizedCrop and RandomHorizontalFlip
     draw them, then `augmentation` (training only) runs on the uint8 crop."""
@@ -214,8 +226,8 @@ class TensorImages:
         flip = bool(torch.rand(1) < self.hflip)  # RandomHorizontalFlip's draw
         return Geometry(self.image_size, crop=box, flip=flip)
 
-    def __call__(self, path: str) -> Loaded:
-        return self.load(read_file(path), path)
+    def from_bytes(self, encoded: bytes, name: str) -> Loaded:
+        return self.load(encoded, name)
 
     def load(self, encoded: bytes, path: str) -> Loaded:
         """The file's image from its bytes: the hand-read header where it
@@ -274,7 +286,7 @@ class Encoded:
 
 
 class EncodedImages(TensorImages):
-    """--data-backend gpu: path -> Loaded(Encoded, bytes read, ...). Only
+    """--data-backend gpu: Loaded(Encoded, bytes read, ...). Only
     complete, upright RGB and grayscale JPEGs (an end marker) go to the GPU:
     a truncated file meets Pillow in the worker, where --bad-images decides
     about it, and CMYK, which nvJPEG does not convert, is finished in the
@@ -282,8 +294,7 @@ class EncodedImages(TensorImages):
 
     device_decodes_with_run_decoder = True  # the GPU decodes with the run's JpegDecoder (needs a tensor one)
 
-    def __call__(self, path: str) -> Loaded:
-        encoded = read_file(path)
+    def from_bytes(self, encoded: bytes, path: str) -> Loaded:
         header = self.plain_header(encoded)
         cannot_decode = self.device_decodes_with_run_decoder and not self.decoder.makes_tensors
         if (header is None or cannot_decode or header.mode not in ("RGB", "L")

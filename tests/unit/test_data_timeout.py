@@ -27,10 +27,20 @@ from common.errors import DATA_TIMEOUT_EXIT_STATUS, exit_status
 TIMEOUT_SECONDS = 1.0
 
 
-def _read_whole(path: str):
-    """A pipeline (data.ImageFolderDataset's): the file read whole, a 1-pixel image."""
-    with open(path, "rb") as handle:
-        return torch.zeros(3, 1, 1, dtype=torch.uint8), len(handle.read()), 0
+class _OnePixel:
+    """A pipeline (data.ImageFolderDataset's: from_bytes, given the bytes the dataset read): a 1-pixel
+    image; `before(name)`, when given, runs first."""
+
+    def __init__(self, before=None):
+        self.before = before
+
+    def from_bytes(self, encoded: bytes, name: str):
+        if self.before is not None:
+            self.before(name)
+        return torch.zeros(3, 1, 1, dtype=torch.uint8), len(encoded), 0
+
+
+_read_whole = _OnePixel()
 
 
 def _files(folder: Path, count: int) -> list:
@@ -101,16 +111,15 @@ def test_without_workers_a_thread_names_the_file_the_training_process_is_stuck_i
     released = threading.Event()
     said = []
 
-    def pipeline(path: str):
+    def before(path: str):
         if path == samples[1][0]:
             assert released.wait(timeout=600), "the watch never fired"
-        return _read_whole(path)
 
     def expire(line: str) -> None:  # the stand-in for saying it and ending the process
         said.append(line)
         released.set()
 
-    dataset = ImageFolderDataset(samples, pipeline, workers=0)
+    dataset = ImageFolderDataset(samples, _OnePixel(before), workers=0)
     got = []
     with pytest.raises(DataTimeout) as raised:  # the read came back, too late: the run stops all the same
         for batch in batches(_loader(dataset, 0), TIMEOUT_SECONDS, "training", expire=expire):
