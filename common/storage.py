@@ -145,8 +145,9 @@ MISSING = ("NoSuchKey", "NoSuchBucket", "404", "NotFound")
 S3_REQUIREMENT = "pip install -r requirements-s3.txt"
 
 
-def is_object_store(location: str) -> bool:
-    return location.startswith("s3://")
+def is_object_store(location: Optional[str]) -> bool:
+    """Whether DATA (None: --synthetic) is in an object store."""
+    return bool(location) and location.startswith("s3://")
 
 
 def check_endpoint_url(endpoint_url: str) -> str:
@@ -201,15 +202,17 @@ class S3Store(Store):
             if self._client is None or self._pid != os.getpid():  # a client is not shared across a fork
                 boto3, config = _import_boto3(self.location), _import_boto3(self.location, "botocore.config")
                 retries = {"mode": "standard", "total_max_attempts": self.attempts}
-                self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=config.Config(
-                    retries=retries, connect_timeout=self.connect_timeout_s, read_timeout=self.read_timeout_s))
+                settings = config.Config(retries=retries, connect_timeout=self.connect_timeout_s,
+                                         read_timeout=self.read_timeout_s)
+                self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url, config=settings)
                 self._pid = os.getpid()
             return self._client
 
     def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> Fetched:
         if length == 0:
             return Fetched(b"", 0)
-        ranged = {"Range": f"bytes={offset}-{'' if length is None else offset + length - 1}"} if offset or length else {}
+        last = "" if length is None else offset + length - 1
+        ranged = {"Range": f"bytes={offset}-{last}"} if offset or length else {}
         for attempt in range(1, self.attempts + 1):
             with self._answers(name):
                 answer = self._s3().get_object(Bucket=self.bucket, Key=self.key(name), **ranged)
@@ -258,11 +261,13 @@ class _S3Errors:
         if isinstance(error, exceptions.ClientError):
             code = str(error.response.get("Error", {}).get("Code", ""))
             if code in MISSING:
-                raise MissingObject(f"DATA {self.store.location}: {where} is missing ({code} from {endpoint})") from None
+                raise MissingObject(f"DATA {self.store.location}: {where} is missing "
+                                    f"({code} from {endpoint})") from None
             if code in REFUSED_CREDENTIALS:
                 raise CredentialsRefused(
                     f"DATA {self.store.location}: {endpoint} refused the credentials reading {where} ({code}); "
-                    "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the bucket's permissions") from None
+                    "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE and the bucket's "
+                    "permissions") from None
             reason = f"{code}: {error_summary(error)}"
         elif isinstance(error, (exceptions.NoCredentialsError, exceptions.PartialCredentialsError,
                                 exceptions.ProfileNotFound)):
@@ -433,45 +438,51 @@ class NodeCache(Store):
             _remove(temporary)
 
     def _make_room(self, name: str, path: str, descriptor: int) -> bool:
-        """Delete the least recently opened shards until shard `name` fits
-        under the cap, and reserve its space (fallocate, under the cache's
-        lock: copies made at once by several processes all count); False,
-        with the warning, when it cannot fit."""
+        """Room for shard `name` (see make_room); False, with the warning, when it cannot fit."""
         size = self.expected[name][0]
-        with _locked(os.path.join(self.directory, ".room.lock")):
-            cached, busy_bytes = [], 0
-            for entry in os.scandir(self.directory):
-                if entry.name.endswith(".lock") or entry.path == path:
-                    continue
-                if ".partial-" in entry.name:
-                    busy_bytes += entry.stat().st_size  # another shard's copy, its space reserved
-                else:
-                    cached.append((entry.stat().st_mtime, entry.stat().st_size, entry.path))
-            used_bytes = busy_bytes + sum(bytes_ for _, bytes_, _ in cached)
-            if self.cap_bytes:
-                budget_bytes = self.cap_bytes
-            else:
-                free_bytes, _ = room_at(self.directory)
-                disk = os.statvfs(self.directory)
-                disk_bytes = disk.f_blocks * disk.f_frsize
-                budget_bytes = used_bytes + free_bytes - min(CACHE_MARGIN_BYTES, disk_bytes // 20)
-            if busy_bytes + size > budget_bytes:
-                self._warn(f"{name} ({format_bytes(size)}) does not fit in {format_bytes(budget_bytes)}")
-                return False
-            for _, bytes_, oldest in sorted(cached):
-                if used_bytes + size <= budget_bytes:
-                    break
-                _remove(oldest)
-                used_bytes -= bytes_
-            with contextlib.suppress(OSError):  # a file system without fallocate: the copy's writes say it
-                os.posix_fallocate(descriptor, 0, size)
-            return True
+        budget_bytes = make_room(self.directory, self.cap_bytes, path, size, descriptor)
+        if budget_bytes is not None:
+            self._warn(f"{name} ({format_bytes(size)}) does not fit in {format_bytes(budget_bytes)}")
+        return budget_bytes is None
 
     def _warn(self, reason: str) -> None:
         if not self._warned:
             self._warned = True
             print(f"warning: --data-cache {self.directory}: cache full: reading on from the source ({reason})",
                   file=sys.stderr, flush=True)
+
+
+def make_room(directory: str, cap_bytes: int, path: str, size: int, descriptor: int) -> Optional[int]:
+    """Delete the least recently opened shards of the cache in `directory`
+    until `size` more bytes (for `path`) fit under `cap_bytes` (0: its disk's
+    free space, less a margin), and reserve them (fallocate `descriptor`,
+    under the cache's lock: copies made at once by several processes all
+    count). None when done; the cache's budget when `size` cannot fit."""
+    with _locked(os.path.join(directory, ".room.lock")):
+        cached, busy_bytes = [], 0
+        for entry in os.scandir(directory):
+            if entry.name.endswith(".lock") or entry.path == path:
+                continue
+            if ".partial-" in entry.name:
+                busy_bytes += entry.stat().st_size  # another shard's copy, its space reserved
+            else:
+                cached.append((entry.stat().st_mtime, entry.stat().st_size, entry.path))
+        used_bytes = busy_bytes + sum(bytes_ for _, bytes_, _ in cached)
+        budget_bytes = cap_bytes
+        if not cap_bytes:
+            free_bytes, _ = room_at(directory)
+            disk = os.statvfs(directory)
+            budget_bytes = used_bytes + free_bytes - min(CACHE_MARGIN_BYTES, disk.f_blocks * disk.f_frsize // 20)
+        if busy_bytes + size > budget_bytes:
+            return budget_bytes
+        for _, bytes_, oldest in sorted(cached):
+            if used_bytes + size <= budget_bytes:
+                break
+            _remove(oldest)
+            used_bytes -= bytes_
+        with contextlib.suppress(OSError):  # a file system without fallocate: the copy's writes say it
+            os.posix_fallocate(descriptor, 0, size)
+        return None
 
 
 @contextlib.contextmanager

@@ -217,7 +217,8 @@ def test_s3_refused_credentials_are_one_line_without_the_secret(s3_server, monke
     try:
         use_credentials(monkeypatch, key_id, secret)
         assert S3Store(LOCATION, s3_server.endpoint_url).read("shard-0.tar", 0, 3).source_bytes == 3
-        use_credentials(monkeypatch, *((("AKIAWRONGWRONGWRONG0", secret) if wrong == "key" else (key_id, "wrong-s3cret"))))
+        wrong_pair = ("AKIAWRONGWRONGWRONG0", secret) if wrong == "key" else (key_id, "wrong-s3cret")
+        use_credentials(monkeypatch, *wrong_pair)
         with pytest.raises(storage.CredentialsRefused) as raised:
             S3Store(LOCATION, s3_server.endpoint_url).read("shard-0.tar", 0, 3)
     finally:
