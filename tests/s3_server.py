@@ -9,6 +9,7 @@ from then on a key moto's IAM does not know is InvalidAccessKeyId and a wrong
 secret SignatureDoesNotMatch, as on AWS."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ import sys
 import time
 import urllib.request
 from typing import Dict, Tuple
+
+import pytest
 
 from common.ports import free_port
 
@@ -105,3 +108,17 @@ class S3Server:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)  # the server gone at once, as a crashed store is
         self.process.wait()
+
+
+@contextlib.contextmanager
+def serving(objects: Dict[str, bytes]):
+    """A server holding `objects` (key: bytes, in BUCKET), with the tests' credentials in this process's
+    environment (and so in every process it starts), until the block ends: a module's fixture."""
+    with pytest.MonkeyPatch.context() as environment:
+        use_credentials(environment)
+        server = S3Server()
+        try:
+            server.upload(objects)
+            yield server
+        finally:
+            server.stop()

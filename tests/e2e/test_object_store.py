@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common import errors, storage
 from helpers import REPO, FAST_ARGS, csv_rows, max_abs_diff, metrics_rows, run_script, single_run_dir, weights
-from s3_server import BUCKET, REGION, TEST_KEY_ID, TEST_SECRET, S3Server, moto_missing, use_credentials
+from s3_server import BUCKET, REGION, TEST_KEY_ID, TEST_SECRET, S3Server, moto_missing, serving, use_credentials
 
 pytestmark = pytest.mark.skipif(bool(moto_missing()), reason=moto_missing() or "moto is installed")
 
@@ -33,14 +33,8 @@ SAMPLES = [(name, 1000 * index + 7, 500 + index) for index in range(8) for name 
 
 @pytest.fixture(scope="module")
 def s3_server():
-    with pytest.MonkeyPatch.context() as environment:
-        use_credentials(environment)
-        server = S3Server()
-        try:
-            server.upload({f"{PREFIX}/{name}": data for name, data in SHARDS.items()})
-            yield server
-        finally:
-            server.stop()
+    with serving({f"{PREFIX}/{name}": data for name, data in SHARDS.items()}) as server:
+        yield server
 
 
 class ShardRanges(Dataset):

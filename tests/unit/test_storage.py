@@ -16,7 +16,7 @@ import pytest
 
 from common import errors, storage
 from common.storage import Fetched, LocalStore, NodeCache, S3Store
-from s3_server import BUCKET, S3Server, moto_missing, use_credentials
+from s3_server import BUCKET, S3Server, moto_missing, serving, use_credentials
 
 SHARD_BYTES = 3 * storage.COPY_CHUNK_BYTES // 2 + 17  # two copy pieces, the second one short
 
@@ -163,14 +163,8 @@ LOCATION = f"s3://{BUCKET}/imagenet-shards"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    with pytest.MonkeyPatch.context() as environment:
-        use_credentials(environment)
-        server = S3Server()
-        try:
-            server.upload(OBJECTS)
-            yield server
-        finally:
-            server.stop()
+    with serving(OBJECTS) as server:
+        yield server
 
 
 @s3
