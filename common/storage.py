@@ -138,9 +138,11 @@ class LocalStore(Store):
 S3_ATTEMPTS = 5
 S3_CONNECT_TIMEOUT_S = 10.0
 S3_READ_TIMEOUT_S = 30.0
-# Answers that say the credentials are wrong or lack a permission (S3's and STS's codes).
+# Answers that say the credentials are wrong or lack a permission (S3's and STS's codes; a HEAD request's answer
+# has no body, so botocore's code is its HTTP status: 403).
 REFUSED_CREDENTIALS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidClientTokenId",
-                       "ExpiredToken", "InvalidToken", "AuthorizationHeaderMalformed", "AllAccessDisabled")
+                       "ExpiredToken", "InvalidToken", "AuthorizationHeaderMalformed", "AllAccessDisabled", "403",
+                       "Forbidden")
 MISSING = ("NoSuchKey", "NoSuchBucket", "404", "NotFound")
 S3_REQUIREMENT = "pip install -r requirements-s3.txt"
 

@@ -215,6 +215,8 @@ def test_s3_refused_credentials_are_one_line_without_the_secret(s3_server, monke
         use_credentials(monkeypatch, *wrong_pair)
         with pytest.raises(storage.CredentialsRefused) as raised:
             S3Store(LOCATION, s3_server.endpoint_url).read("shard-0.tar", 0, 3)
+        with pytest.raises(storage.CredentialsRefused, match=r"refused the credentials reading .*shard-0.tar \(403\)"):
+            S3Store(LOCATION, s3_server.endpoint_url).size("shard-0.tar")  # a HEAD's answer: its status alone
     finally:
         s3_server.check_credentials(False)
     code = {"key": "InvalidAccessKeyId", "secret": "SignatureDoesNotMatch"}[wrong]
