@@ -16,7 +16,7 @@ import pytest
 
 from common import errors, storage
 from common.storage import Fetched, LocalStore, NodeCache, S3Store
-from s3_server import BUCKET, S3Server, moto_missing, serving, use_credentials
+from s3_server import BUCKET, TEST_KEY_ID, TEST_SECRET, S3Server, moto_missing, serving, use_credentials
 
 SHARD_BYTES = 3 * storage.COPY_CHUNK_BYTES // 2 + 17  # two copy pieces, the second one short
 
@@ -177,8 +177,9 @@ def test_s3_reads_byte_ranges_sizes_and_names_from_a_real_server(s3_server):
     assert store.read("shard-0.tar", 69_990) == Fetched(data[69_990:], 10, 0)
     assert store.read("manifest.json") == Fetched(b'{"format": "test"}', 18, 0)
     # Pickled into a data-loading worker: no client, no credentials; its own client there.
-    worker_copy = pickle.loads(pickle.dumps(store))
-    assert worker_copy.read("shard-0.tar", 1, 2).data == data[1:3]
+    pickled = pickle.dumps(store)
+    assert TEST_SECRET.encode() not in pickled and TEST_KEY_ID.encode() not in pickled
+    assert pickle.loads(pickled).read("shard-0.tar", 1, 2).data == data[1:3]
     assert store.describe() == f"{LOCATION} at {s3_server.endpoint_url}"
 
 
