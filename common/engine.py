@@ -195,6 +195,9 @@ class Trainer:
     _sizes_met: set = dataclasses.field(default_factory=set, init=False)
     _crop_said: Optional[int] = dataclasses.field(default=None, init=False)
     ema: Optional[ModelEMA] = None  # --model-ema: updated after optimizer steps, validated beside the model
+    # This process's bytes of each split of the epoch just run, from DATA's storage and from the node-local cache
+    # ({split: (source, cache)}; a resumed epoch's: since the resume): io.csv's per-node "data" rows.
+    read_bytes: dict = dataclasses.field(default_factory=dict, init=False)
 
     def __post_init__(self):
         self.guard = self.guard or LossGuard(self.ctx, self.max_nonfinite_steps)
@@ -253,12 +256,12 @@ class Trainer:
             if profiler is not None:
                 self.log.info(profiler.close())
         self.guard.settle()
+        self.read_bytes["train"] = (sums.source_bytes, sums.cache_bytes)
         totals = before.totals.plus(sums.totals(self.ctx))  # summed over processes
         bad_files = _report_bad_images(self.log, self.ctx, epoch, "train", totals, bad_images, before.bad_files)
         self._note_large_images("train", epoch, totals, bad_images)
         timing = timer.finish(self.ctx, before.timing)
-        if lr is None and steps:  # every step ran before the checkpoint this run resumed from
-            lr = self.schedule.lr(epoch, steps - 1, steps)
+        lr = self.schedule.lr(epoch, steps - 1, steps) if lr is None and steps else lr  # None: all steps resumed
         metrics = EpochMetrics.from_totals(epoch, "train", totals, timing, self.ctx.replicas, lr, time.time(),
                                            self.precision.status(), image_size=image_size)
         return TrainedEpoch(metrics, steps, images_done + len(step_numbers) * loaders.global_batch,
@@ -359,9 +362,7 @@ class Trainer:
             if backward:
                 with record_function("step:backward (accumulating)"):
                     self.precision.backward(loss / self.accum_steps)
-        files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
-                     large_images=bad_images.count_large(batch))
-        return _MicroBatch(loss, logits, target, files)
+        return _MicroBatch(loss, logits, target, batch_reads(batch, bad_images))
 
     def _no_sync(self):
         """DDP's no_sync(): gradients add up locally, exchanged at the next synchronised backward."""
@@ -401,8 +402,7 @@ class Trainer:
         for step, batch in enumerate(self._input(loaders.batches("val"), loaders.dali)):
             timer.batch_ready()
             images, target = batch.image, batch.target
-            files = dict(file_bytes=int(batch.file_bytes.sum()), bad_images=bad_images.count(batch),
-                         large_images=bad_images.count_large(batch))
+            files = batch_reads(batch, bad_images)
             if files["bad_images"]:  # stand-ins for unreadable files: validation counts each readable image once
                 readable = (batch.bad_index < 0).to(images.device)
                 images, target = images[readable], target[readable]
@@ -419,6 +419,7 @@ class Trainer:
                 progress.show(step, sums.totals(), timer, None)
             timer.step_done()
         totals = sums.totals(self.ctx)
+        self.read_bytes[split] = (sums.source_bytes, sums.cache_bytes)
         if not averaged:  # the same files again in the average's pass: said once
             _report_bad_images(self.log, self.ctx, epoch, "val", totals, bad_images)
             self._note_large_images("val", epoch, totals, bad_images)
@@ -486,6 +487,16 @@ def saved_or_why(save: Callable[[], Optional[Path]]) -> Tuple[Optional[Path], Op
         return save(), None
     except OSError as error:
         return None, one_line(error.strerror or str(error))
+
+
+def batch_reads(batch, bad_images: BadImages) -> dict:
+    """What reading a batch took (its bytes, and of them those from DATA's
+    storage and from the node-local cache) and its unreadable and very large
+    images: MetricSums.add's counts. (A batch made without the DataLoader's
+    collate, as tests and the bench make them, has the sources as ints.)"""
+    source_bytes, cache_bytes = (int(torch.as_tensor(count).sum()) for count in (batch.source_bytes, batch.cache_bytes))
+    return dict(file_bytes=int(batch.file_bytes.sum()), source_bytes=source_bytes, cache_bytes=cache_bytes,
+                bad_images=bad_images.count(batch), large_images=bad_images.count_large(batch))
 
 
 @dataclasses.dataclass(frozen=True)

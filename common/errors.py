@@ -41,7 +41,18 @@ class ReportedError(Exception):
     rank_specific = True
 
     def __init__(self, message: str = ""):
-        super().__init__(one_line(without_credentials(message)))
+        super().__init__(one_line(without_credentials(self.raised_in_worker(message))))
+
+    @classmethod
+    def raised_in_worker(cls, message: str) -> str:
+        """The original one-line message of an error a data-loading worker
+        raised: the DataLoader rebuilds it in the training process as
+        type(error)("Caught ... Original Traceback ...\\n...Name: <message>");
+        the user sees only <message>."""
+        marker = f"{cls.__name__}: "
+        if "Original Traceback" in message and marker in message:
+            return message.rsplit(marker, 1)[1].strip()
+        return message
 
 
 # The user part of a URL (scheme://USER[:PASSWORD]@, a token among them), or a bare USER:PASSWORD@ where a

@@ -155,7 +155,7 @@ def _run_epoch(trainer: Trainer, loaders: Loaders, epoch: int, epochs: int, star
         raise trainer.stalled(stall, f"{where}, in validation", checkpoint_before_validation) from None
     progress.epochs_run += 1
     is_best = checkpointer.validated(validated.top1, epoch, validated.source)  # the better of model and EMA
-    log.io_samples(measure.gather_io_rows(io_sampler, ctx))  # a collective
+    log.io_samples(measure.gather_io_rows(io_sampler, ctx, epoch=epoch, read_bytes=trainer.read_bytes))  # a collective
     log.epoch_end(trained.metrics, validated.val, validated.report, loaders.classes, checkpointer.best_acc1,
                   checkpointer.best_epoch, validated.ema, validated.source, checkpointer.best_source)
     path, failure = saved_or_why(lambda: checkpointer.save(epoch + 1, 0, 0, None, is_best))

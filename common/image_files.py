@@ -33,13 +33,7 @@ class BadImageError(UsageError):
     rank_specific = True  # only the process whose share holds the file meets it
 
     def __init__(self, message: str, reason: str = ""):
-        # A DataLoader worker's exception reaches the main process rebuilt as
-        # type(error)("Caught ... Original Traceback ...\n...BadImageError: <message>");
-        # keep only the original one-line message, so the user sees one line.
-        marker = f"{type(self).__name__}: "
-        if "Original Traceback" in message and marker in message:
-            message = message.rsplit(marker, 1)[1].strip()
-        super().__init__(message)
+        super().__init__(message)  # rebuilt by a DataLoader from a worker's: one line (ReportedError.raised_in_worker)
         self.reason = reason  # why the file cannot be decoded, without the path
 
 

@@ -33,8 +33,10 @@ from common.distributed import Context, all_reduce_max, all_reduce_sum, gather_t
 from common.files import MIB, filesystem_type
 from common.meters import SplitTiming
 
+# Two kinds of rows: "device", a block device's rates sampled every --io-interval (IOSampler); "data", a node's
+# bytes of one split of one epoch, pulled from DATA's storage and read from its node-local cache (data_rows).
 IO_COLUMNS = ["wall_time", "host", "device", "read_bytes_per_second", "write_bytes_per_second",
-              "read_ops_per_second", "write_ops_per_second"]
+              "read_ops_per_second", "write_ops_per_second", "kind", "epoch", "split", "source_bytes", "cache_bytes"]
 T = TypeVar("T")
 
 
@@ -402,7 +404,8 @@ class IOSampler:
         """Record the rates since the previous sample."""
         (then, before), (now, after) = self._last, self._read()
         self._last = (now, after)
-        row = {"wall_time": round(now, 3), "host": self.host, "device": self.device or f"none: {self.missing_reason}"}
+        row = {"wall_time": round(now, 3), "host": self.host, "device": self.device or f"none: {self.missing_reason}",
+               "kind": "device"}
         if before is not None and after is not None and now > then:
             seconds = now - then
             row.update(read_bytes_per_second=(after.read_bytes - before.read_bytes) / seconds,
@@ -449,11 +452,29 @@ def start_io_sampler(cfg: Config, ctx: Context) -> Optional[IOSampler]:
     return sampler
 
 
-def gather_io_rows(sampler: Optional[IOSampler], ctx: Context, final: bool = False) -> List[dict]:
+def gather_io_rows(sampler: Optional[IOSampler], ctx: Context, final: bool = False, epoch: Optional[int] = None,
+                   read_bytes: Optional[Dict[str, Tuple[int, int]]] = None) -> List[dict]:
     """Every node's I/O samples since the last call, on the primary (empty
-    elsewhere). A collective: every process calls it. `final`: stop
+    elsewhere), then with `read_bytes` (this process's {split: (bytes from
+    the source, bytes from the cache)} of `epoch`) one "data" row per node
+    and split. A collective: every process calls it. `final`: stop
     sampling first (the run's end)."""
     if sampler is not None and final:
         sampler.stop()
     rows = sampler.take_rows() if sampler is not None else []
-    return [row for rank_rows in gather_to_primary(rows, ctx) for row in rank_rows]
+    gathered = gather_to_primary((rows, socket.gethostname().split(".")[0], dict(read_bytes or {})), ctx)
+    return [row for rank_rows, _, _ in gathered for row in rank_rows] + data_rows(
+        epoch, [(host, reads) for _, host, reads in gathered])
+
+
+def data_rows(epoch: Optional[int], reads: List[Tuple[str, Dict[str, Tuple[int, int]]]]) -> List[dict]:
+    """io.csv's "data" rows: each process's (host, {split: (source bytes,
+    cache bytes)}) summed per node and split, in the order met."""
+    per_node: Dict[Tuple[str, str], List[int]] = {}
+    for host, splits in reads:
+        for split, (source_bytes, cache_bytes) in splits.items():
+            total = per_node.setdefault((host, split), [0, 0])
+            total[0] += source_bytes
+            total[1] += cache_bytes
+    return [{"kind": "data", "host": host, "device": "", "epoch": epoch, "split": split, "source_bytes": source_bytes,
+             "cache_bytes": cache_bytes} for (host, split), (source_bytes, cache_bytes) in per_node.items()]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from common.distributed import Context, all_reduce_sum
+from common.files import format_bytes
 
 
 def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int] = (1, 5)) -> torch.Tensor:
@@ -57,6 +58,8 @@ class MetricSums:
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
         self.timed_count = 0
         self.file_bytes = 0
+        self.source_bytes = 0  # of file_bytes' reads, pulled from DATA's storage (common.storage.Fetched)
+        self.cache_bytes = 0  # read from the node-local cache (--data-cache)
         self.bad_images = 0
         self.large_images = 0
         self.num_classes = num_classes
@@ -66,7 +69,8 @@ class MetricSums:
         self.confusion = torch.zeros(num_classes ** 2, dtype=torch.int64, device=device) if keep_matrix else None
 
     def add(self, loss_mean: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, *, file_bytes: int = 0,
-            bad_images: int = 0, large_images: int = 0, timed: bool = True) -> None:
+            bad_images: int = 0, large_images: int = 0, timed: bool = True, source_bytes: int = 0,
+            cache_bytes: int = 0) -> None:
         """Add one batch: `loss_mean` is the criterion's mean over the batch;
         `timed`: the batch counts for throughput (it is past the warm-up);
         `bad_images`: unreadable files met in it (see data.BadImages)."""
@@ -77,7 +81,7 @@ class MetricSums:
         self.sums[self.TOP1:self.COUNT] += _hits(top, target, (1, 5), logits.size(1))
         self.sums[self.COUNT] += count
         self.timed_count += count if timed else 0
-        self.add_files(file_bytes, bad_images, large_images)
+        self.add_files(file_bytes, bad_images, large_images, source_bytes, cache_bytes)
         if self.class_counts is not None:
             predicted = top[:, 0]
             ones = torch.ones_like(target)
@@ -87,24 +91,27 @@ class MetricSums:
             if self.confusion is not None:
                 self.confusion.scatter_add_(0, target * self.num_classes + predicted, ones)
 
-    def add_files(self, file_bytes: int = 0, bad_images: int = 0, large_images: int = 0) -> None:
+    def add_files(self, file_bytes: int = 0, bad_images: int = 0, large_images: int = 0, source_bytes: int = 0,
+                  cache_bytes: int = 0) -> None:
         """Count a batch's reads, also of one that adds nothing else (a skipped step)."""
         self.file_bytes += file_bytes
+        self.source_bytes += source_bytes
+        self.cache_bytes += cache_bytes
         self.bad_images += bad_images
         self.large_images += large_images
 
     def totals(self, ctx: Optional[Context] = None) -> "MetricTotals":
         """The sums as Python numbers; with `ctx`, summed over all processes
         first (a collective: every process must call it)."""
-        host = torch.tensor([self.timed_count, self.file_bytes, self.bad_images, self.large_images],
-                            dtype=torch.float64, device=self.sums.device)
+        host = torch.tensor([self.timed_count, self.file_bytes, self.bad_images, self.large_images,
+                             self.source_bytes, self.cache_bytes], dtype=torch.float64, device=self.sums.device)
         sums = torch.cat([self.sums, host])  # one reduction for all: float64 counts bytes exactly up to 2**53
         if ctx is not None:
             all_reduce_sum(sums, ctx)
-        loss_sum, top1, top5, count, timed_count, file_bytes, bad_images, large_images = sums.tolist()
+        loss_sum, top1, top5, count, timed_count, file_bytes, bad_images, large_images, source, cache = sums.tolist()
         return MetricTotals(loss_sum=loss_sum, top1_correct=int(top1), top5_correct=int(top5), count=int(count),
                             timed_count=int(timed_count), file_bytes=int(file_bytes), bad_images=int(bad_images),
-                            large_images=int(large_images))
+                            large_images=int(large_images), source_bytes=int(source), cache_bytes=int(cache))
 
     def class_report(self, ctx: Context) -> "ClassReport":
         """The per-class report over all processes (a collective; needs num_classes)."""
@@ -127,6 +134,8 @@ class MetricTotals:
     file_bytes: int = 0  # read from image files
     bad_images: int = 0  # samples standing in for unreadable image files (--bad-images skip)
     large_images: int = 0  # images above Pillow's decompression-bomb limit (data.BadImages.count_large)
+    source_bytes: int = 0  # pulled from DATA's storage: image files, shard ranges, whole shards copied to the cache
+    cache_bytes: int = 0  # read from the node-local cache (--data-cache)
 
     @property
     def loss(self) -> float:
@@ -256,6 +265,16 @@ class EpochMetrics:
     bad_images: Optional[int] = None  # unreadable image files met (--bad-images skip; listed in bad_images.csv)
     host_memory_mib: Optional[float] = None  # training process's resident memory at the split's end, max over processes
     image_size: Optional[int] = None  # pixels: side of the split's crops (the epoch's, --progressive-resizing)
+    source_bytes: Optional[int] = None  # pulled from DATA's storage by all processes (whole shards copied included)
+    cache_bytes: Optional[int] = None  # read from the node-local caches (--data-cache) by all processes
+
+    def bytes_read(self, sources: bool) -> str:
+        """The split's bytes for its line; `sources`: and where they came from
+        (a run from an object store or through a node-local cache)."""
+        if not sources:
+            return format_bytes(self.dataset_bytes)
+        return (f"{format_bytes(self.dataset_bytes)}: {format_bytes(self.source_bytes)} from the source, "
+                f"{format_bytes(self.cache_bytes)} from the cache")
 
     @staticmethod
     def from_totals(epoch: int, split: str, totals: MetricTotals, timing: SplitTiming, replicas: int,
@@ -276,4 +295,5 @@ class EpochMetrics:
             warmup_steps=timing.warmup_steps, peak_memory_mib=timing.peak_memory_mib,
             dataset_bytes=totals.file_bytes, macro_f1=macro_f1, bad_images=totals.bad_images,
             host_memory_mib=timing.host_memory_mib, image_size=image_size,
+            source_bytes=totals.source_bytes, cache_bytes=totals.cache_bytes,
         )

@@ -35,26 +35,25 @@ from common.config import Config
 from common import hardware, provenance, recipes
 from common.distributed import Context
 from common.errors import UsageError, one_line, printable, without_credentials
-from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text, format_bytes
+from common.files import CSV_TEXT, append_rows, append_whole, atomic_write, atomic_write_text
 from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
 from common.rundir import BEST_NAME, CHECKPOINT_NAME, RunDirectory
+from common.storage import is_object_store
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 
 # TensorBoard tag -> EpochMetrics field, per split; tags as in the upstream reference logs.
 _SCALARS = {
-    "train": {"Loss/train": "loss", "Top1/train": "top1", "Top5/train": "top5",
-              "Throughput/train": "images_per_second", "Time/train": "seconds_per_step",
-              "Data/wait_fraction": "data_wait_fraction", "Lr": "lr",
+    "train": {"Loss/train": "loss", "Top1/train": "top1", "Top5/train": "top5", "Throughput/train": "images_per_second",
+              "Time/train": "seconds_per_step", "Data/wait_fraction": "data_wait_fraction", "Lr": "lr",
               "Amp/loss_scale": "loss_scale", "Amp/skipped_steps": "skipped_steps",
               "Throughput/train_per_gpu": "images_per_second_per_gpu", "Memory/peak_mib": "peak_memory_mib",
               "IO/dataset_bytes_train": "dataset_bytes", "Data/bad_images_train": "bad_images",
               "Memory/host_mib": "host_memory_mib"},
-    "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5",
-            "Throughput/val": "images_per_second", "Time/val": "seconds_per_step", "F1/val_macro": "macro_f1",
-            "Data/wait_fraction_val": "data_wait_fraction", "IO/dataset_bytes_val": "dataset_bytes",
-            "Data/bad_images_val": "bad_images"},
+    "val": {"Loss/val": "loss", "Top1/val": "top1", "Top5/val": "top5", "Throughput/val": "images_per_second",
+            "Time/val": "seconds_per_step", "F1/val_macro": "macro_f1", "Data/wait_fraction_val": "data_wait_fraction",
+            "IO/dataset_bytes_val": "dataset_bytes", "Data/bad_images_val": "bad_images"},
 }
 # --model-ema's average, validated beside the model: tags of its own (Top1/val_ema), never the model's
 _SCALARS["val_ema"] = {tag.replace("val", "val_ema"): field for tag, field in _SCALARS["val"].items()}
@@ -353,8 +352,7 @@ class RunLog:
     _writing): splitting it by sink would repeat those rules in each."""
 
     def __init__(self, ctx: Context, wall_clock: Callable[[], float] = time.time):
-        self.ctx = ctx
-        self.is_primary = ctx.is_primary
+        self.ctx, self.is_primary = ctx, ctx.is_primary
         self.run_dir: Optional[Path] = None
         self._writer = None  # TensorBoard EventWriter, opened by start_run: x-axis epochs
         self._step_writer = None  # and one in steps/ for the per-interval curves: x-axis steps
@@ -366,6 +364,7 @@ class RunLog:
         self._epoch_seconds_per_step: Optional[float] = None  # the last training epoch's wall time per step
         # Files of the run whose writes failed (a full disk), and why: each said once, and named at the finish.
         self.unwritten: Dict[str, str] = {}
+        self.shows_sources = False  # lines and io.csv say where bytes came from: an object store, or a cache in use
 
     def write_failed(self, name: str, why: str, later: Optional[str] = "its later writes are tried again "
                      "without a word") -> None:
@@ -416,8 +415,7 @@ class RunLog:
         writers there. `run_dir`: the primary's (common.rundir), None elsewhere."""
         if not self.is_primary or run_dir is None:
             return
-        self.run_dir = run_dir.path
-        self.epochs = cfg.epochs
+        self.run_dir, self.epochs, self.shows_sources = run_dir.path, cfg.epochs, is_object_store(cfg.data)
         record = {
             "command": without_credentials(shlex.join([sys.executable] + sys.argv)),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -453,7 +451,9 @@ class RunLog:
                                                                          _NO_MORE_EVENTS))
 
     def io_samples(self, rows: List[dict]) -> None:
-        """Append every node's I/O samples (common.measure.gather_io_rows) to io.csv."""
+        """Append every node's I/O samples and bytes (common.measure.gather_io_rows) to io.csv."""
+        self.shows_sources = self.shows_sources or any(row.get("cache_bytes") for row in rows)
+        rows = [row for row in rows if self.shows_sources or row.get("kind") != "data"]
         if self.is_primary and self.run_dir is not None and rows:
             with self._writing("io.csv"):
                 append_rows(self.run_dir / "io.csv", IO_COLUMNS, rows)
@@ -494,8 +494,9 @@ class RunLog:
         self.info(f"epoch {train.epoch} train: loss {train.loss:.4f}  top1 {train.top1:.2f}%  top5 {train.top5:.2f}%  "
                   f"| {train.images} images in {train.seconds:.1f} s; {train.images_per_second:.1f} img/s "
                   f"({train.images_per_second_per_gpu:.1f} {self._per_replica}), {train.seconds_per_step:.3f} s/step, "
-                  f"data wait {100 * train.data_wait_fraction:.0f}%{warmup}; read {format_bytes(train.dataset_bytes)}, "
-                  f"peak mem {train.peak_memory_mib:.0f} MiB, lr {train.lr:.5f}"
+                  f"data wait {100 * train.data_wait_fraction:.0f}%{warmup}; "
+                  f"read {train.bytes_read(self.shows_sources)}, peak mem {train.peak_memory_mib:.0f} MiB, "
+                  f"lr {train.lr:.5f}"
                   + (f", loss scale {train.loss_scale:g} ({train.skipped_steps} skipped)"
                      if train.loss_scale is not None else ""))
         lines = [f"epoch {row.epoch} {row.split + ':':6} loss {row.loss:.4f}  top1 {row.top1:.2f}%  top5 "

@@ -106,12 +106,13 @@ def _sum_over_two_processes(rank, port, out_dir):
     ctx = Context(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
     sums = MetricSums(torch.device("cpu"), num_classes=6)
     if rank == 0:  # the two batches of test_metric_sums_are_sums_not_averages_of_averages, one per process
-        sums.add(torch.tensor(2.0), LOGITS, TARGET, file_bytes=1000, bad_images=2)
+        sums.add(torch.tensor(2.0), LOGITS, TARGET, file_bytes=1000, bad_images=2, source_bytes=70_000,
+                 cache_bytes=1000)
     else:
         sums.add(torch.tensor(7.0), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]), torch.tensor([1]), file_bytes=24,
-                 timed=False)
+                 timed=False, source_bytes=24)
         # A skipped step: its reads count, nothing else.
-        sums.add_files(file_bytes=3, bad_images=1, large_images=2)
+        sums.add_files(file_bytes=3, bad_images=1, large_images=2, cache_bytes=3)
     totals = sums.totals(ctx)
     confusion = sums.class_report(ctx).confusion
     (out_dir / f"rank{rank}.txt").write_text(repr((dataclasses.astuple(totals), confusion.tolist())))
@@ -124,11 +125,11 @@ def test_totals_are_summed_across_processes(tmp_path):
     port = free_port()
     mp.start_processes(_sum_over_two_processes, args=(port, tmp_path), nprocs=2, start_method="fork")
     # (4 x 2.0 + 1 x 7.0, top-1, top-5, count, timed images, bytes, unreadable images, images above Pillow's
-    # decompression-bomb limit): one epoch's totals.
+    # decompression-bomb limit, bytes from the source (a shard copied whole), bytes from the cache): one epoch's totals.
     confusion = np.zeros((6, 6), dtype=int)
     for true, predicted in zip(TARGET.tolist() + [1], LOGITS.argmax(dim=1).tolist() + [1]):
         confusion[true, predicted] += 1
-    expected = repr(((15.0, 2, 4, 5, 4, 1027, 3, 2), confusion.tolist()))
+    expected = repr(((15.0, 2, 4, 5, 4, 1027, 3, 2, 70_024, 1003), confusion.tolist()))
     assert (tmp_path / "rank0.txt").read_text() == (tmp_path / "rank1.txt").read_text() == expected
 
 

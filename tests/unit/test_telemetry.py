@@ -77,8 +77,10 @@ class _SlowBatches:
     def __iter__(self):
         for index in range(self.steps):
             self.clock.spend(DATA_DELAY_SECONDS + (self.first_delay if index == 0 else 0.0))
+            # 100 bytes a sample: 60 from the source, 40 from a node-local cache
             yield Sample(torch.randn(BATCH, 4), torch.randint(0, 3, (BATCH,)), torch.full((BATCH,), 100),
-                         torch.full((BATCH,), -1), [""] * BATCH)
+                         torch.full((BATCH,), -1), [""] * BATCH, source_bytes=torch.full((BATCH,), 60),
+                         cache_bytes=torch.full((BATCH,), 40))
 
 
 class SlowLoaders:
@@ -117,7 +119,8 @@ def slow_trainer(clock: StepClock, warmup_steps: int, print_freq: int = 1000) ->
 
 def test_reported_throughput_and_data_wait_match_a_known_pipeline(step_clock):
     steps, warmup = 16, 2
-    metrics = slow_trainer(step_clock, warmup).train_one_epoch(SlowLoaders(steps, step_clock), epoch=0).metrics
+    trainer = slow_trainer(step_clock, warmup)
+    metrics = trainer.train_one_epoch(SlowLoaders(steps, step_clock), epoch=0).metrics
     true_step_seconds = DATA_DELAY_SECONDS + COMPUTE_SECONDS
     assert metrics.warmup_steps == warmup and metrics.steps == steps and metrics.images == steps * BATCH
     assert metrics.images_per_second == pytest.approx(BATCH / true_step_seconds)
@@ -125,6 +128,8 @@ def test_reported_throughput_and_data_wait_match_a_known_pipeline(step_clock):
     assert metrics.seconds_per_step == pytest.approx(true_step_seconds)
     assert metrics.data_wait_fraction == pytest.approx(DATA_DELAY_SECONDS / true_step_seconds)
     assert metrics.dataset_bytes == steps * BATCH * 100  # the loader's per-sample file_bytes, summed
+    assert (metrics.source_bytes, metrics.cache_bytes) == (steps * BATCH * 60, steps * BATCH * 40)
+    assert trainer.read_bytes == {"train": (steps * BATCH * 60, steps * BATCH * 40)}  # this process's, for io.csv
     assert metrics.peak_memory_mib > 0
 
 
@@ -488,3 +493,39 @@ def test_config_json_records_the_command_without_a_credential_in_it(tmp_path, mo
         writer.close()
     command = json.loads((tmp_path / "config.json").read_text())["command"]
     assert command.endswith("imagenet_nd.py --synthetic --run-name https://***@host") and "s3cret" not in command
+
+
+def test_io_csv_says_where_each_nodes_bytes_came_from_once_a_cache_or_object_store_is_in_use(tmp_path, capsys):
+    """Per epoch, split and node, the bytes pulled from DATA's storage and read from the node-local cache:
+    io.csv's "data" rows, and the epoch line's split of its bytes; a folder-tree run's stay as they were."""
+    ctx = distributed.single_process("cpu")
+    rows = measure.gather_io_rows(None, ctx, epoch=3, read_bytes={"train": (7_000, 500), "val": (0, 90)})
+    host = rows[0]["host"]
+    assert rows == [{"kind": "data", "host": host, "device": "", "epoch": 3, "split": "train", "source_bytes": 7_000,
+                     "cache_bytes": 500},
+                    {"kind": "data", "host": host, "device": "", "epoch": 3, "split": "val", "source_bytes": 0,
+                     "cache_bytes": 90}]
+    # Two processes of one node and one of another: summed per node, in the order met.
+    assert measure.data_rows(0, [("a", {"train": (1, 2)}), ("b", {"train": (10, 0)}), ("a", {"train": (3, 4)})]) == [
+        {"kind": "data", "host": "a", "device": "", "epoch": 0, "split": "train", "source_bytes": 4, "cache_bytes": 6},
+        {"kind": "data", "host": "b", "device": "", "epoch": 0, "split": "train", "source_bytes": 10,
+         "cache_bytes": 0}]
+    log = telemetry.RunLog(ctx)
+    log.run_dir = tmp_path
+    folder_tree = measure.gather_io_rows(None, ctx, epoch=0, read_bytes={"train": (2048, 0)})
+    log.io_samples(folder_tree)  # nothing from a cache, no object store: no row, as before
+    assert not (tmp_path / "io.csv").exists() and not log.shows_sources
+    log.io_samples(rows)
+    assert log.shows_sources
+    assert [(row["kind"], row["epoch"], row["split"], row["source_bytes"], row["cache_bytes"], row["wall_time"])
+            for row in csv_rows(tmp_path / "io.csv")] == [("data", "3", "train", "7000", "500", ""),
+                                                          ("data", "3", "val", "0", "90", "")]
+    train = _epoch_metrics(dataset_bytes=1_200_000, source_bytes=900_000, cache_bytes=300_000)
+    assert train.bytes_read(log.shows_sources) == "1.2 MB: 900.0 KB from the source, 300.0 KB from the cache"
+    assert train.bytes_read(False) == "1.2 MB"
+
+
+def _epoch_metrics(**counts):
+    return telemetry.EpochMetrics(epoch=0, split="train", loss=1.0, top1=1.0, top5=1.0, images=1, steps=1,
+                                  seconds=1.0, images_per_second=1.0, seconds_per_step=1.0, data_wait_fraction=0.0,
+                                  lr=0.1, wall_time=0.0, **counts)
