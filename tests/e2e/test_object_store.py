@@ -126,8 +126,9 @@ def train(data, logdir: Path, server: S3Server, *extra, key_id=TEST_KEY_ID, secr
     """imagenet_nd.py for 2 epochs, in a fresh process with these credentials (the rest of the AWS
     environment is the module fixture's: no profile, no ~/.aws)."""
     environment = {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION}
-    return run_script([REPO / "imagenet_nd.py", data, *FAST_ARGS, "--epochs", "2", "--logdir", logdir,
-                       "--s3-endpoint-url", server.endpoint_url, *extra], env_extra=environment)
+    endpoint = ["--s3-endpoint-url", server.endpoint_url] if str(data).startswith("s3://") else []  # s3:// only
+    return run_script([REPO / "imagenet_nd.py", data, *FAST_ARGS, "--epochs", "2", "--logdir", logdir, *endpoint,
+                       *extra], env_extra=environment)
 
 
 @pytest.mark.slow
