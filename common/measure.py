@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 import torch
 
-from common.config import Config
+from common.config import OBJECT_STORE_SCHEMES, Config, is_sharded
 from common.distributed import Context, all_reduce_max, all_reduce_sum, gather_to_primary
 from common.files import MIB, filesystem_type
 from common.meters import SplitTiming
@@ -439,12 +439,24 @@ class IOSampler:
 
 def start_io_sampler(cfg: Config, ctx: Context) -> Optional[IOSampler]:
     """--io-interval: one process per node samples (local rank 0) the
-    dataset's device, or for --synthetic runs the log directory's; None on
-    the others, or when sampling is off."""
+    dataset's device (for shards, their folder's, or the node-local cache's
+    with --data-cache), or for --synthetic runs the log directory's; None on
+    the others, when sampling is off, and for shards read straight from an
+    object store (no device of this node holds them)."""
     if cfg.io_interval <= 0 or ctx.local_rank != 0:
         return None
-    # The device of train/ (where almost all reads go; it may be a link to another disk than DATA's).
-    path = cfg.logdir if cfg.synthetic else os.path.join(cfg.data, "train")
+    if cfg.synthetic:
+        path = cfg.logdir
+    elif cfg.data_cache:
+        path = cfg.data_cache  # shards: where every read goes once a shard's first read has copied it
+    elif is_sharded(cfg.data):
+        if cfg.data.startswith(OBJECT_STORE_SCHEMES):
+            print(f"note: I/O sampling: DATA {cfg.data} is an object store, no block device of this node; io.csv's "
+                  f"data rows say what each node pulled from it per epoch", flush=True)
+            return None
+        path = cfg.data
+    else:
+        path = os.path.join(cfg.data, "train")  # where almost all reads go (it may link to another disk than DATA's)
     sampler = IOSampler(path, cfg.io_interval).start()
     if sampler.device is None:
         print(f"note: I/O sampling on {sampler.host}: {sampler.missing_reason}; io.csv marks its samples missing "

@@ -273,8 +273,9 @@ class EpochMetrics:
         (a run from an object store or through a node-local cache)."""
         if not sources:
             return format_bytes(self.dataset_bytes)
-        return (f"{format_bytes(self.dataset_bytes)}: {format_bytes(self.source_bytes)} from the source, "
-                f"{format_bytes(self.cache_bytes)} from the cache")
+        # More from the source than read in all: a shard's first read on a node copies all of it into the cache.
+        return (f"{format_bytes(self.dataset_bytes)} ({format_bytes(self.source_bytes)} pulled from the source, "
+                f"{format_bytes(self.cache_bytes)} read from the cache)")
 
     @staticmethod
     def from_totals(epoch: int, split: str, totals: MetricTotals, timing: SplitTiming, replicas: int,

@@ -295,6 +295,27 @@ def test_io_sampler_on_a_path_this_node_cannot_see_records_missing_samples(tmp_p
     assert sampler.device is None and "cannot see" in row["device"] and "read_bytes_per_second" not in row
 
 
+def test_the_io_sampler_watches_where_a_sharded_datasets_reads_go(tmp_path, monkeypatch, capsys):
+    """Shards: their folder's device, the node-local cache's with --data-cache (every read after a shard's
+    first), none for an object store read straight (a note instead of a 'cannot see' one)."""
+    from common.config import MANIFEST_NAME
+    watched = []
+    monkeypatch.setattr(measure, "IOSampler", lambda path, interval: watched.append(path) or types.SimpleNamespace(
+        start=lambda: types.SimpleNamespace(device="vda")))
+    ctx = types.SimpleNamespace(local_rank=0)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / MANIFEST_NAME).write_text("{}")
+    for data, cache in ((str(tmp_path / "tree"), None), (str(tmp_path / "shards"), None),
+                        (str(tmp_path / "shards"), str(tmp_path / "cache")), ("s3://bucket/shards", str(tmp_path / "c")),
+                        ("s3://bucket/shards", None)):
+        cfg = types.SimpleNamespace(data=data, data_cache=cache, io_interval=10.0, synthetic=False, logdir="runs")
+        started = measure.start_io_sampler(cfg, ctx)
+        assert (started is None) == (cache is None and data.startswith("s3://"))
+    assert watched == [str(tmp_path / "tree" / "train"), str(tmp_path / "shards"), str(tmp_path / "cache"),
+                       str(tmp_path / "c")]
+    assert "DATA s3://bucket/shards is an object store" in capsys.readouterr().out
+
+
 def test_top1_and_the_class_report_agree_on_ties():
     """Equal logits: whatever class top-1 picks, the per-class report counts the same pick."""
     sums = MetricSums(torch.device("cpu"), num_classes=4)
@@ -521,7 +542,7 @@ def test_io_csv_says_where_each_nodes_bytes_came_from_once_a_cache_or_object_sto
             for row in csv_rows(tmp_path / "io.csv")] == [("data", "3", "train", "7000", "500", ""),
                                                           ("data", "3", "val", "0", "90", "")]
     train = _epoch_metrics(dataset_bytes=1_200_000, source_bytes=900_000, cache_bytes=300_000)
-    assert train.bytes_read(log.shows_sources) == "1.2 MB: 900.0 KB from the source, 300.0 KB from the cache"
+    assert train.bytes_read(log.shows_sources) == "1.2 MB (900.0 KB pulled from the source, 300.0 KB read from the cache)"
     assert train.bytes_read(False) == "1.2 MB"
 
 
