@@ -122,32 +122,39 @@ def packed(tmp_path_factory, s3_server):
     return tree, root / "shards"
 
 
-def train(data, logdir: Path, server: S3Server, *extra, key_id=TEST_KEY_ID, secret=TEST_SECRET):
-    """imagenet_nd.py for 2 epochs, in a fresh process with these credentials (the rest of the AWS
+def train(data, logdir: Path, server: S3Server, *extra, epochs: int = 2, key_id=TEST_KEY_ID, secret=TEST_SECRET):
+    """imagenet_nd.py for `epochs` epochs, in a fresh process with these credentials (the rest of the AWS
     environment is the module fixture's: no profile, no ~/.aws)."""
     environment = {"AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": REGION}
     endpoint = ["--s3-endpoint-url", server.endpoint_url] if str(data).startswith("s3://") else []  # s3:// only
-    return run_script([REPO / "imagenet_nd.py", data, *FAST_ARGS, "--epochs", "2", "--logdir", logdir, *endpoint,
-                       *extra], env_extra=environment)
+    return run_script([REPO / "imagenet_nd.py", data, *FAST_ARGS, "--epochs", str(epochs), "--logdir", logdir,
+                       *endpoint, *extra], env_extra=environment)
 
 
 @pytest.mark.slow
-def test_training_from_s3_through_the_cache_ends_on_the_folder_trees_weights(packed, s3_server, tmp_path):
+def test_training_from_s3_through_the_cache_resumes_on_the_folder_trees_weights(packed, s3_server, tmp_path):
+    """Epoch 0 from s3:// through --data-cache, then a requeued job (a new process, --resume auto) trains
+    epoch 1 from the cache the first one filled: it pulls nothing from the store, and ends on the weights
+    of the uninterrupted run on the folder tree."""
     tree, shards = packed
     folder = train(tree, tmp_path / "folder", s3_server)
-    from_s3 = train(f"s3://{BUCKET}/packed", tmp_path / "s3", s3_server, "--data-cache", tmp_path / "cache")
-    assert folder.returncode == 0 and from_s3.returncode == 0, (folder.stderr, from_s3.stderr)
-    folder_run, s3_run = single_run_dir(tmp_path / "folder"), single_run_dir(tmp_path / "s3")
-    assert max_abs_diff(weights(folder_run / "checkpoint.pth.tar"), weights(s3_run / "checkpoint.pth.tar")) <= 1e-6
+    s3_job = [f"s3://{BUCKET}/packed", tmp_path / "s3", s3_server, "--data-cache", tmp_path / "cache",
+              "--run-name", "from-s3", "--resume", "auto"]
+    first, requeued = train(*s3_job, epochs=1), None
+    assert first.returncode == 0, first.stderr
+    requeued = train(*s3_job)
+    assert folder.returncode == 0 and requeued.returncode == 0, (folder.stderr, requeued.stderr)
+    folder_run, s3_run = single_run_dir(tmp_path / "folder"), tmp_path / "s3" / "from-s3"
+    assert max_abs_diff(weights(folder_run / "checkpoint.pth.tar"), weights(s3_run / "checkpoint.pth.tar")) == 0
     rows = {(row["epoch"], row["split"]): row for row in metrics_rows(s3_run)}
     train_shards = sum(path.stat().st_size for path in shards.glob("train-*.tar"))
     assert int(rows[("0", "train")]["source_bytes"]) == train_shards  # each shard copied once, on its first read
-    assert int(rows[("1", "train")]["source_bytes"]) == 0  # then read from the cache
+    assert int(rows[("1", "train")]["source_bytes"]) == 0  # the requeued job: all from the cache
     assert int(rows[("1", "train")]["cache_bytes"]) == int(rows[("1", "train")]["dataset_bytes"])
     data_rows = [row for row in csv_rows(s3_run / "io.csv") if row["kind"] == "data"]
     assert [(row["epoch"], row["split"]) for row in data_rows] == [("0", "train"), ("0", "val"), ("1", "train"),
                                                                    ("1", "val")]
-    assert "from the source" in from_s3.stdout and "from the source" not in folder.stdout
+    assert "pulled from the source" in first.stdout and "from the source" not in folder.stdout
 
 
 @pytest.mark.slow
