@@ -27,6 +27,9 @@ cuts the centre crop, as the other backends do, in one resize of that region.
 The output side comes with each image (its Geometry's): one pipeline serves
 the validation crop (--val-crop-size) and every training crop of
 --progressive-resizing.
+Its threads end before the training process forks a data-loading worker
+(end_threads: a lock one of them held would stay held in the child for
+good), and the next batch builds the pipeline again.
 
 DALI is optional (requirements-dali.txt): this module imports it only when a
 DaliDecoder is made, and a missing package is one line naming the package
@@ -194,6 +197,16 @@ class DaliDecoder:
             pipeline.set_outputs(fn.flip(images, horizontal=flip))
         pipeline.build()
         return pipeline
+
+    def end_threads(self) -> None:
+        """End the pipeline's threads (executor, thread pool, input workers):
+        the training process calls this before it forks each data-loading
+        worker (build_loaders' multiprocessing context), and the next decode
+        builds the pipeline again (milliseconds on the CPU; twice an epoch, in
+        the first step of training and of validation). A child forked while
+        one of DALI's threads held a lock (DALI's, libstdc++'s, the loader's)
+        would find it held for good, by a thread it does not have."""
+        self._pipeline = None  # its last reference: DALI's destructor stops and joins its threads
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         """The batch's JPEGs (those it holds as files), cropped, resized and

@@ -573,8 +573,9 @@ def build_loaders(cfg: Config, ctx: Context) -> Loaders:
     pin_memory = ctx.device.type == "cuda"
     # Workers die with their training process, even if it is killed with SIGKILL.
     worker_init_fn = data_loader_worker_init if cfg.workers else None
-    # ... and leave stop signals from other processes to it, whatever threads libraries start in them.
-    worker_context = data_loader_context() if cfg.workers else None
+    # ... and leave stop signals from other processes to it, whatever threads libraries start in them;
+    # DALI's threads end before each fork (a lock one of them holds would stay held in the child).
+    worker_context = data_loader_context(dali.end_threads if dali is not None else None) if cfg.workers else None
     # A batch that does not come within --data-timeout raises (Loaders.batches names the worker and its file);
     # without workers the training process reads, and a thread watches it (common.data_timeout).
     timeout = cfg.data_timeout if cfg.workers else 0

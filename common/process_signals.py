@@ -10,6 +10,7 @@ every process of a job step) and say nothing when it stops mid-transfer.
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.context
 import os
@@ -17,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 
 def die_with_parent() -> None:
@@ -49,9 +50,15 @@ def data_loader_worker_init(worker_id: int) -> None:
 
 
 class _WorkerProcess(multiprocessing.context.ForkProcess):
-    """A data-loading worker forked with SIGTERM blocked (see data_loader_context)."""
+    """A data-loading worker forked with SIGTERM blocked, after `before_fork` (see data_loader_context)."""
+
+    def __init__(self, *args, before_fork: Optional[Callable[[], None]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._before_fork = before_fork
 
     def start(self) -> None:
+        if self._before_fork is not None:
+            self._before_fork()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             super().start()
@@ -60,23 +67,31 @@ class _WorkerProcess(multiprocessing.context.ForkProcess):
 
 
 class _WorkerContext(multiprocessing.context.ForkContext):
-    Process = _WorkerProcess
+    def __init__(self, before_fork: Optional[Callable[[], None]] = None):
+        super().__init__()
+        # DataLoader makes its workers with context.Process(target=..., args=...).
+        self.Process = functools.partial(_WorkerProcess, before_fork=before_fork)
 
 
-def data_loader_context() -> Optional[multiprocessing.context.BaseContext]:
+def data_loader_context(before_fork: Optional[Callable[[], None]] = None
+                        ) -> Optional[multiprocessing.context.BaseContext]:
     """The multiprocessing context for DataLoader workers: fork, as on Linux
     by default, but with SIGTERM blocked from the child's first instruction.
     Threads that libraries start in the child before data_loader_worker_init
     runs (at fork, or in torch.set_num_threads(1): seen once a gloo group has
     joined) inherit that mask; started with SIGTERM open, any of them could
     take a SIGTERM from another process (slurmstepd signals every process of
-    a job) and the worker would die of it. None (the default context) where
-    fork is not what multiprocessing uses here."""
+    a job) and the worker would die of it. `before_fork` is called in the
+    training process before each worker is forked: a child gets only the
+    forking thread, and any lock another thread held at that instant stays
+    held in it for good, so threads that need not live across the fork end
+    there (--data-backend dali: DaliDecoder.end_threads). None (the default
+    context) where fork is not what multiprocessing uses here."""
     method = multiprocessing.get_start_method(allow_none=True)  # None: not chosen yet (not fixed by asking)
     default = "forkserver" if sys.version_info >= (3, 14) else "fork"  # Linux's, since Python 3.14 forkserver
     if not sys.platform.startswith("linux") or (method or default) != "fork":
-        return None
-    return _WorkerContext()
+        return None  # forkserver, spawn: the worker starts without this process's threads
+    return _WorkerContext(before_fork)
 
 
 def _exit_on_sigterm_from_parent() -> None:

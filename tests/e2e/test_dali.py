@@ -7,6 +7,7 @@ The --bad-images tests with DALI are in test_robustness.py."""
 import dataclasses
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -100,6 +101,39 @@ def test_each_process_gets_the_torchvision_backends_images_in_its_order(tmp_path
         assert [number for number, _ in val] == list(range(rank, 9, world_size))  # every image once overall
         assert all(target == number // 10 for number, target in whole) and all(
             target == number // 3 for number, target in val)
+
+
+def dali_threads() -> list:
+    """The names of this process's threads that DALI started (it names each "[DALI]...")."""
+    names = (Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task"))
+    return sorted(name for name in names if name.startswith("[DALI]"))
+
+
+@needs_dali
+def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monkeypatch):
+    """A forked child has only the forking thread: a lock one of DALI's
+    threads held at that instant would stay held in the data-loading worker
+    for good (a run hung that way once in CI, its batch never coming). So the
+    training process ends DALI's threads before each fork, and DALI builds
+    its pipeline again at the next decode, which decodes as before."""
+    root = numbered_tree(tmp_path / "numbered")
+    loaders = loaders_for(root, "dali", rank=0, world_size=1)
+    threads_at_fork = []
+    real_fork = os.fork
+
+    def recording_fork():
+        threads_at_fork.append(dali_threads())
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+    loaders.set_epoch(0)
+    first_epoch = seen(loaders, loaders.train)
+    assert dali_threads(), "DALI's pipeline decoded with no thread of its own: nothing checked here"
+    val = seen(loaders, loaders.val)  # its worker is forked after DALI decoded the training batches
+    loaders.set_epoch(0)
+    assert seen(loaders, loaders.train) == first_epoch  # a new pipeline, the same images in the same order
+    assert threads_at_fork == [[], [], []]  # -j 1: one worker per pass, three passes, none beside DALI's threads
+    assert [number for number, _ in val] == list(range(9)) and len(first_epoch) == 30
 
 
 def test_validation_windows_are_torchvisions_resize_and_centre_crop():
