@@ -46,7 +46,7 @@ def storage(tmp_path_factory):
 
 
 def _timed_read(storage: ThrottledStorage, target: Path, throttled: bool):
-    storage.drop_caches()
+    throttled_storage.drop_caches()
     done = subprocess.run([sys.executable, "-c", READER, str(target)], capture_output=True, text=True,
                           preexec_fn=storage.enter if throttled else None, timeout=300)
     assert done.returncode == 0, done.stderr

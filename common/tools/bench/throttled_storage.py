@@ -6,7 +6,7 @@ storage section and the tests.
 
     with ThrottledStorage(folder, size_bytes=2**30, read_iops=1000, read_bytes_per_second=200e6) as storage:
         ...write files under storage.mount_point...
-        storage.drop_caches()                       # before each measured read
+        drop_caches()                               # before each measured read
         subprocess.run(command, preexec_fn=storage.enter)   # the reader, and workers it forks, throttled
 
 The throttle holds for the processes in the group (storage.enter moves the
@@ -61,6 +61,18 @@ def unavailable() -> str:
     return ""
 
 
+def drop_caches() -> bool:
+    """Write back dirty pages, then drop the page cache, dentries and inodes
+    (the whole machine's clean ones): the next read comes from the device.
+    False (nothing dropped) where this process may not (not root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        return False
+    return True
+
+
 def _run(command: List[str]) -> str:
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
@@ -75,8 +87,8 @@ class ThrottledStorage(contextlib.AbstractContextManager):
 
     def __init__(self, folder: Path, size_bytes: int, read_iops: Optional[int] = None,
                  read_bytes_per_second: Optional[int] = None):
-        self.folder = Path(folder)
-        self.size_bytes = size_bytes
+        self.folder = Path(folder).resolve()
+        self.size_bytes = -(-size_bytes // 2**20) * 2**20  # whole MiB: a loop device takes whole sectors
         self.read_iops = read_iops
         self.read_bytes_per_second = read_bytes_per_second
         self.image = self.folder / "throttled.img"
@@ -102,7 +114,7 @@ class ThrottledStorage(contextlib.AbstractContextManager):
         with open(self.image, "wb") as handle:
             handle.truncate(self.size_bytes)  # sparse: disk is taken only by what is written
         _run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(self.image)])
-        self.device = _run(["losetup", "--find", "--show", str(self.image)])
+        self.device = _run(["losetup", "--find", "--show", str(self.image)]).splitlines()[-1]  # after any warning
         self.mount_point.mkdir(exist_ok=True)
         _run(["mount", "-o", "noatime", self.device, str(self.mount_point)])
         self._mounted = True
@@ -135,13 +147,6 @@ class ThrottledStorage(contextlib.AbstractContextManager):
         its children forked later are in it too. As a Popen preexec_fn, the
         child is in the group before it runs anything."""
         (self.group / "cgroup.procs").write_text(str(pid or os.getpid()))
-
-    @staticmethod
-    def drop_caches() -> None:
-        """Write back dirty pages, then drop the page cache, dentries and inodes
-        (the whole machine's clean ones): the next read comes from the device."""
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3")
 
     def _release_group(self) -> None:
         """Members moved back to the root group, then the group removed (a cgroup with members cannot be)."""
