@@ -805,9 +805,11 @@ def test_storage_targets_hold_shards_against_the_tree_throttled_and_the_warm_cac
         "common.tools.pack_shards is not in this checkout",
         "storage: shards, warm node-local cache over the folder tree, read stage, local disk: not measured: python -m "
         "common.tools.pack_shards is not in this checkout"]
-    assert targets.storage_lines([]) == [
-        "storage: shards over the folder tree, read stage, throttled: not measured (no row)",
+    only_the_tree = [row for row in storage_rows(1.0, 1.0) if row["config"] == "folder tree"]
+    assert targets.storage_lines(only_the_tree) == [
+        f"storage: shards over the folder tree, read stage, {THROTTLED}: not measured (no row)",
         "storage: shards, warm node-local cache over the folder tree, read stage, local disk: not measured (no row)"]
+    assert targets.storage_lines([report.record(section="train", config="nd")]) == []  # another section's CSV
 
 
 def test_results_show_the_storage_rows_with_their_machine_and_targets(tmp_path):

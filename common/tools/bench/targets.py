@@ -192,7 +192,9 @@ STORAGE_SHARDS_OVER_TREE, STORAGE_CACHE_OVER_TREE = 5.0, 0.9
 
 
 def storage_lines(rows: List[dict]) -> List[str]:
-    """The storage section's targets, against its rows."""
+    """The storage section's targets, against its rows (none without them: another section's CSV)."""
+    if not any(row["section"] == "storage" for row in rows):
+        return []
     found = {(row["config"], row.get("storage")): row for row in rows if row["section"] == "storage"}
     speed = {key: as_number(row["images_per_second"]) for key, row in found.items()}
     profiles = list(dict.fromkeys(row.get("storage") for row in found.values() if row.get("storage")))
