@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from common.errors import UsageError
 from common.files import TEMPORARY_NAME
 from common.tools import scaling
 from common.tools.scaling import Bucket, Gradient, Links, ModelProfile, Settings
@@ -282,3 +283,18 @@ def test_mistakes_are_one_line_and_status_2(args, named):
 def test_help_works():
     done = run("--help")
     assert done.returncode == 0 and "--bucket-cap-mb" in done.stdout and "--preset" in done.stdout
+
+
+def test_the_storage_flags_reach_the_settings():
+    from common.tools.scaling.command_line import settings_from_args
+
+    args = scaling.build_parser().parse_args(["--step-ms", "100", "--node-storage-gbps", "8", "--node-opens-per-second",
+                                              "1000", "--data-layout", "shards+cache", "--epochs", "10",
+                                              "--cache-gbps", "16"])
+    settings = settings_from_args(args)
+    assert (settings.node_storage_gbps, settings.node_opens_per_second, settings.data_layout, settings.epochs,
+            settings.cache_gbps) == (8.0, 1000.0, "shards+cache", 10, 16.0)
+    defaults = settings_from_args(scaling.build_parser().parse_args(["--step-ms", "100"]))
+    assert (defaults.data_layout, defaults.epochs, defaults.node_opens_per_second) == ("files", 90, None)
+    with pytest.raises(UsageError, match="--data-layout"):
+        scaling.build_parser().parse_args(["--data-layout", "tar"])

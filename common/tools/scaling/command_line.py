@@ -106,10 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_argument_group("data supply")
     data.add_argument("--loader-images-per-second", type=positive_float, default=None, help="per GPU")
     data.add_argument("--storage-gbps", type=positive_float, default=None, help="shared file system, all nodes")
-    data.add_argument("--node-storage-gbps", type=positive_float, default=None,
-                      help="one node's read bandwidth from the shared storage, Gbit/s")
-    data.add_argument("--node-opens-per-second", type=positive_float, default=None,
-                      help="files one node may open per second on the shared storage (its metadata servers' share)")
+    for flag, what in (("--node-storage-gbps", "one node's read bandwidth from the shared storage, Gbit/s"),
+                       ("--node-opens-per-second", "files one node may open per second on the shared storage (its "
+                                                   "metadata servers' share)"),
+                       ("--cache-gbps", "one node's read bandwidth from its local cache, Gbit/s (default: not "
+                                        "limiting)")):
+        data.add_argument(flag, type=positive_float, default=None, help=what)
     data.add_argument("--data-layout", choices=DATA_LAYOUTS, default="files",
                       help="files: an open per image, every epoch from the storage; shards: the same bytes, no opens "
                            "to speak of; shards+cache: a node-local cache of whole shards (--data-cache), which in "
@@ -117,8 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "then reads locally; warm-cache: every epoch local (a requeued job)")
     data.add_argument("--epochs", type=positive_int, default=90,
                       help="shards+cache: the step is the mean over these epochs (the first copies, the rest local)")
-    data.add_argument("--cache-gbps", type=positive_float, default=None,
-                      help="one node's read bandwidth from its local cache, Gbit/s (default: not limiting)")
     data.add_argument("--image-bytes", type=positive_float, default=IMAGENET_MEAN_IMAGE_BYTES)
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=None, metavar="CSV", help="default results/scaling/<name>.csv")
