@@ -1,6 +1,7 @@
 """Speed, measured side by side against the plain reference, in one run.
 
-    make bench                                     # the CPU harness (ResNet-18, batch 32): ~7 minutes on 2 cores
+    make bench                                     # the CPU harness (ResNet-18, batch 32): ~13 minutes on 2 cores
+    python -m common.tools.bench --sections storage  # as root: the storage section alone, ~6 minutes
     python -m common.tools.bench --device cuda           # on a GPU: ResNet-50, batch 256, 3 repeats of everything
     python -m common.tools.bench --sections input --data /path/to/imagenet --workers 4 8 16
 

@@ -109,6 +109,7 @@ def storage_section(settings: Settings, folder: Path, tree: str,
     """Every row of the section, settings.input_repeats times round-robin.
     The shards are packed once into `folder`; the object store and the
     throttled file system live while the section runs."""
+    folder, tree = folder.resolve(), str(Path(tree).resolve())  # the measured processes run from the repository
     folder.mkdir(parents=True, exist_ok=True)
     shards = folder / f"shards-{Path(tree).name}"
     unpacked = storage_setup.pack(tree, shards)
