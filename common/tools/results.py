@@ -240,29 +240,36 @@ def bench_section(paths: Sequence[str]) -> str:
             columns = _bench_columns(speed)
             parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
                       ""]
-        if scale:  # the data-scale section (common/tools/bench/data_scale.py): its own columns
-            parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
-                            [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
-                              number(as_number(row.get("list_mib")), 1),
-                              number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
-        if comm:  # the comm section (common/tools/bench/comm_bench.py): nccl-tests' algbw and busbw
-            parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
-                            [[row["config"] + _note(row), row["world_size"], row["backend"],
-                              number(as_number(row.get("time_us")), 1),
-                              number(as_number(row.get("algbw_gbytes_per_s")), 3),
-                              number(as_number(row.get("busbw_gbytes_per_s")), 3)] for row in comm]), ""]
-        if split:  # the scaling section: a DDP step split into compute, exposed communication and data wait
-            parts += [table(["DDP step", "model", "batch per process", "ms/step", "compute (ms)",
-                             "exposed communication (ms)", "data wait (ms)"],
-                            [[row["config"] + _note(row), f"{row['arch']} at {row['image_size']} px", row["batch_size"],
-                              number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
-                              number(as_number(row.get("exposed_comm_ms")), 1),
-                              number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
-        if storage:  # the storage section (common/tools/bench/storage_section.py): where an epoch's bytes come from
-            parts += [storage_table(storage), ""]
+        parts += _section_tables(scale, comm, split, storage)
         parts += [f"- {line}" for line in _bench_notes(speed) + targets.ratios(speed)
                   + targets.data_scale_lines(scale) + targets.comm_lines(comm) + targets.storage_lines(storage)]
     return "\n".join(parts)
+
+
+def _section_tables(scale: List[dict], comm: List[dict], split: List[dict], storage: List[dict]) -> List[str]:
+    """The tables of the sections with columns of their own: data-scale, comm, scaling and storage."""
+    parts: List[str] = []
+    if scale:  # the data-scale section (common/tools/bench/data_scale.py): its own columns
+        parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
+                        [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
+                          number(as_number(row.get("list_mib")), 1),
+                          number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
+    if comm:  # the comm section (common/tools/bench/comm_bench.py): nccl-tests' algbw and busbw
+        parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
+                        [[row["config"] + _note(row), row["world_size"], row["backend"],
+                          number(as_number(row.get("time_us")), 1),
+                          number(as_number(row.get("algbw_gbytes_per_s")), 3),
+                          number(as_number(row.get("busbw_gbytes_per_s")), 3)] for row in comm]), ""]
+    if split:  # the scaling section: a DDP step split into compute, exposed communication and data wait
+        parts += [table(["DDP step", "model", "batch per process", "ms/step", "compute (ms)",
+                         "exposed communication (ms)", "data wait (ms)"],
+                        [[row["config"] + _note(row), f"{row['arch']} at {row['image_size']} px", row["batch_size"],
+                          number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
+                          number(as_number(row.get("exposed_comm_ms")), 1),
+                          number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
+    if storage:  # the storage section (common/tools/bench/storage_section.py): where an epoch's bytes come from
+        parts += [storage_table(storage), ""]
+    return parts
 
 
 def storage_table(rows: List[dict]) -> str:

@@ -103,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="all-reduce bus bandwidth inside a node, Gbit/s (3600 = 450 GB/s)")
     links.add_argument("--intra-node-latency-us", type=non_negative_float, default=NCCL_RING_NVLINK_LATENCY_US)
     links.add_argument("--comm-csv", default=None, metavar="CSV", help="measured all-reduce rows (overrides)")
+    _add_data_flags(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default=None, metavar="CSV", help="default results/scaling/<name>.csv")
+    out.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    out.add_argument("--figure", default=str(REPO / "figures" / "scaling_model.png"), metavar="PNG")
+    out.add_argument("--no-figure", action="store_true")
+    out.add_argument("--validation", default=str(REPO / "results" / "scaling" / "validation-b.csv"), metavar="CSV",
+                     help="Validation B's CSV (python -m common.tools.link_validation), a last panel of the figure "
+                          "when the file exists")
+    out.add_argument("--measured", nargs="*", default=None, metavar="LOG_DIR",
+                     help="measured runs drawn on the figure (default results/runs: GPU series of several counts)")
+    return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """The data supply: a loader's ceiling, the shared storage, the data's layout and the node-local cache."""
     data = parser.add_argument_group("data supply")
     data.add_argument("--loader-images-per-second", type=positive_float, default=None, help="per GPU")
     data.add_argument("--storage-gbps", type=positive_float, default=None, help="shared file system, all nodes")
@@ -120,17 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--epochs", type=positive_int, default=90,
                       help="shards+cache: the step is the mean over these epochs (the first copies, the rest local)")
     data.add_argument("--image-bytes", type=positive_float, default=IMAGENET_MEAN_IMAGE_BYTES)
-    out = parser.add_argument_group("output")
-    out.add_argument("--out", default=None, metavar="CSV", help="default results/scaling/<name>.csv")
-    out.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    out.add_argument("--figure", default=str(REPO / "figures" / "scaling_model.png"), metavar="PNG")
-    out.add_argument("--no-figure", action="store_true")
-    out.add_argument("--validation", default=str(REPO / "results" / "scaling" / "validation-b.csv"), metavar="CSV",
-                     help="Validation B's CSV (python -m common.tools.link_validation), a last panel of the figure "
-                          "when the file exists")
-    out.add_argument("--measured", nargs="*", default=None, metavar="LOG_DIR",
-                     help="measured runs drawn on the figure (default results/runs: GPU series of several counts)")
-    return parser
 
 
 def settings_from_args(args) -> Settings:
