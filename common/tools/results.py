@@ -226,10 +226,11 @@ def bench_section(paths: Sequence[str]) -> str:
                 if any(_present(rows, "repeats") for _, rows in tables) else "")]
     for path, rows in tables:
         first = rows[0]
-        speed = [row for row in rows if row["section"] not in ("data-scale", "comm", "scaling")]
+        speed = [row for row in rows if row["section"] not in ("data-scale", "comm", "scaling", "storage")]
         scale = [row for row in rows if row["section"] == "data-scale"]
         comm = [row for row in rows if row["section"] == "comm"]
         split = [row for row in rows if row["section"] == "scaling"]
+        storage = [row for row in rows if row["section"] == "storage"]
         parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
                   f"torch {first['torch']}, torchvision {first['torchvision']}"
                   f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
@@ -239,27 +240,51 @@ def bench_section(paths: Sequence[str]) -> str:
             columns = _bench_columns(speed)
             parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
                       ""]
-        if scale:  # the data-scale section (common/tools/bench/data_scale.py): its own columns
-            parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
-                            [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
-                              number(as_number(row.get("list_mib")), 1),
-                              number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
-        if comm:  # the comm section (common/tools/bench/comm_bench.py): nccl-tests' algbw and busbw
-            parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
-                            [[row["config"] + _note(row), row["world_size"], row["backend"],
-                              number(as_number(row.get("time_us")), 1),
-                              number(as_number(row.get("algbw_gbytes_per_s")), 3),
-                              number(as_number(row.get("busbw_gbytes_per_s")), 3)] for row in comm]), ""]
-        if split:  # the scaling section: a DDP step split into compute, exposed communication and data wait
-            parts += [table(["DDP step", "model", "batch per process", "ms/step", "compute (ms)",
-                             "exposed communication (ms)", "data wait (ms)"],
-                            [[row["config"] + _note(row), f"{row['arch']} at {row['image_size']} px", row["batch_size"],
-                              number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
-                              number(as_number(row.get("exposed_comm_ms")), 1),
-                              number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
+        parts += _section_tables(scale, comm, split, storage)
         parts += [f"- {line}" for line in _bench_notes(speed) + targets.ratios(speed)
-                  + targets.data_scale_lines(scale) + targets.comm_lines(comm)]
+                  + targets.data_scale_lines(scale) + targets.comm_lines(comm) + targets.storage_lines(storage)]
     return "\n".join(parts)
+
+
+def _section_tables(scale: List[dict], comm: List[dict], split: List[dict], storage: List[dict]) -> List[str]:
+    """The tables of the sections with columns of their own: data-scale, comm, scaling and storage."""
+    parts: List[str] = []
+    if scale:  # the data-scale section (common/tools/bench/data_scale.py): its own columns
+        parts += [table(["data-scale", "seconds", "list (MiB)", "a forked reader's copy (MiB)"],
+                        [[row["config"] + _note(row), number(as_number(row.get("seconds")), 2),
+                          number(as_number(row.get("list_mib")), 1),
+                          number(as_number(row.get("worker_copied_mib")), 2)] for row in scale]), ""]
+    if comm:  # the comm section (common/tools/bench/comm_bench.py): nccl-tests' algbw and busbw
+        parts += [table(["all-reduce", "processes", "backend", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"],
+                        [[row["config"] + _note(row), row["world_size"], row["backend"],
+                          number(as_number(row.get("time_us")), 1),
+                          number(as_number(row.get("algbw_gbytes_per_s")), 3),
+                          number(as_number(row.get("busbw_gbytes_per_s")), 3)] for row in comm]), ""]
+    if split:  # the scaling section: a DDP step split into compute, exposed communication and data wait
+        parts += [table(["DDP step", "model", "batch per process", "ms/step", "compute (ms)",
+                         "exposed communication (ms)", "data wait (ms)"],
+                        [[row["config"] + _note(row), f"{row['arch']} at {row['image_size']} px", row["batch_size"],
+                          number(as_number(row.get("ms_per_step")), 1), number(as_number(row.get("compute_ms")), 1),
+                          number(as_number(row.get("exposed_comm_ms")), 1),
+                          number(as_number(row.get("data_wait_ms")), 1)] for row in split]), ""]
+    if storage:  # the storage section (common/tools/bench/storage_section.py): where an epoch's bytes come from
+        parts += [storage_table(storage), ""]
+    return parts
+
+
+def storage_table(rows: List[dict]) -> str:
+    """The storage section's rows: per storage profile and configuration, the read stage's images/s, MB/s and
+    files opened per second, the megabytes from the source and from the cache (the decoded rows: images/s only)."""
+    def figure(row: dict, column: str, digits: int) -> str:
+        return number(as_number(row.get(column)), digits) if as_number(row.get(column)) is not None else "—"
+
+    return table(["storage", "configuration", "workers", "images/s", "spread (repeats)", "MB/s", "files opened/s",
+                  "from the source (MB)", "from the cache (MB)"],
+                 [[row.get("storage") or "—", row["config"], row["workers"],
+                   figure(row, "images_per_second", 1) + _note(row),
+                   _spread(row),
+                   figure(row, "mb_per_second", 1), figure(row, "opens_per_second", 0), figure(row, "source_mb", 1),
+                   figure(row, "cache_mb", 1)] for row in rows])
 
 
 def _bench_columns(rows: List[dict]) -> list:
@@ -271,9 +296,7 @@ def _bench_columns(rows: List[dict]) -> list:
                ("workers", lambda row: row["workers"]),
                ("images/s", lambda row: number(as_number(row["images_per_second"]), 1) + _note(row))]
     if _present(rows, "repeats"):
-        columns.append(("spread (repeats)", lambda row: (
-            f"{number(as_number(row.get('spread_percent')), 1)}%" if as_number(row.get("spread_percent")) is not None
-            else "—") + (f" ({row['repeats']})" if row.get("repeats") != "" else "")))
+        columns.append(("spread (repeats)", _spread))
     columns += [("images/s per worker", lambda row: number(as_number(row["images_per_second_per_worker"]), 1)),
                 ("ms/step", lambda row: number(as_number(row["ms_per_step"]), 1))]
     if _present(rows, "mfu_percent"):
@@ -286,6 +309,13 @@ def _bench_columns(rows: List[dict]) -> list:
                     ("max temp. (°C)", lambda row: number(as_number(row.get("temperature_c")), 0)),
                     ("throttle reasons", lambda row: row.get("throttle_reasons") or "—")]
     return columns
+
+
+def _spread(row: dict) -> str:
+    """A row's spread of its repeats' images/s, and how many repeats: '3.2% (3)'; '—' without one."""
+    spread = as_number(row.get("spread_percent"))
+    return (f"{number(spread, 1)}%" if spread is not None else "—") + (
+        f" ({row['repeats']})" if row.get("repeats") != "" else "")
 
 
 def _bench_notes(rows: List[dict]) -> List[str]:

@@ -1,6 +1,7 @@
 """Speed, measured side by side against the plain reference, in one run.
 
-    make bench                                     # the CPU harness (ResNet-18, batch 32): ~7 minutes on 2 cores
+    make bench                                     # the CPU harness (ResNet-18, batch 32): ~13 minutes on 2 cores
+    python -m common.tools.bench --sections storage  # as root: the storage section alone, ~6 minutes
     python -m common.tools.bench --device cuda           # on a GPU: ResNet-50, batch 256, 3 repeats of everything
     python -m common.tools.bench --sections input --data /path/to/imagenet --workers 4 8 16
 
@@ -34,6 +35,13 @@ meets the same warm file cache.
   scaling      a DDP step at 1 and --comm-world-size processes, per
                communication hook, split into compute, exposed communication
                (the step less the same step under no_sync()) and data wait.
+  storage      the read stage of an epoch (every training image's bytes, in
+               the trainer's order, by its data-loading workers) from the
+               folder tree, its shards, the shards through an S3 server and
+               through a warm node-local cache, on local disk and on storage
+               throttled by the kernel (storage_section, throttled_storage):
+               images/s, MB/s, files opened per second, bytes from the source
+               and from the cache.
 
 Beside each row: on a GPU, its SM clock, power draw, temperature and clock
 event (throttle) reasons, sampled from nvidia-smi while the row's processes
@@ -56,6 +64,10 @@ The package, one job a module (`python -m common.tools.bench` runs command_line.
   measurements  what a measured process does: the plain references, the input
                 pipeline timed alone, the comm and scaling sections' processes
   data_scale    the data-scale section: its tree of hard links and its runs
+  storage_section    the storage section: its configurations and rows
+  storage_setup      what it reads from: the shards packed, an S3 server, a throttled copy
+  throttled_storage  slow storage made by the kernel: a loop-mounted ext4 image under a
+                     cgroup read throttle (tests use it too)
   comm_bench    what runs in each process of the comm and scaling sections
   gpu_monitor   the GPU's state from nvidia-smi while a measured process runs
   flops         FLOPs per training image, the GPUs' peaks, MFU

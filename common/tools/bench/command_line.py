@@ -31,10 +31,11 @@ from common.tools.bench.sections import (COMPILE_CONFIGS, END_TO_END_BACKENDS, T
                                          data_scale_section, end_to_end_section, input_section, scaling_section,
                                          train_section)
 from common.tools.bench.settings import Settings
-from common.tools.bench.targets import comm_lines, data_scale_lines, ratios
+from common.tools.bench.storage_section import storage_section
+from common.tools.bench.targets import comm_lines, data_scale_lines, ratios, storage_lines
 
 FAKE_CLASSES = 8
-SECTIONS = ("train", "input", "end-to-end", "data-scale", "comm", "scaling")
+SECTIONS = ("train", "input", "end-to-end", "data-scale", "comm", "scaling", "storage")
 
 
 def parse_size(text: str) -> int:
@@ -89,7 +90,11 @@ def _add_section_flags(parser: argparse.ArgumentParser) -> None:
                              "bench/data_scale.py), on a tree of hard links built once into --data-cache; comm: "
                              "all-reduce bandwidth against message size among --comm-world-size processes; scaling: "
                              "a DDP step at 1 and --comm-world-size processes split into compute, exposed "
-                             "communication and data wait, per communication hook (common/tools/bench/comm_bench.py)")
+                             "communication and data wait, per communication hook (common/tools/bench/comm_bench.py); "
+                             "storage: the read stage's images/s, MB/s and files opened per second from the folder "
+                             "tree, its shards, the shards through an S3 server and through a warm node-local cache, "
+                             "on local disk and on storage throttled to 1,000 read IOPS and 200 MB/s (as root; "
+                             "common/tools/bench/storage_section.py)")
     parser.add_argument("--comm-world-size", type=positive_int, default=None, metavar="N",
                         help="processes of the comm and scaling sections (default: the GPUs of this machine on a "
                              "GPU, 2 on the CPU)")
@@ -175,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _print_plan(settings)
     rows = run_sections(args, settings, csv_path)
     print(f"\n{len(rows)} configurations written to {csv_path}", flush=True)
-    for line in ratios(rows) + data_scale_lines(rows):
+    for line in ratios(rows) + data_scale_lines(rows) + storage_lines(rows):
         print(line, flush=True)
     for line in comm_lines(rows):
         print(line, flush=True)
@@ -281,7 +286,7 @@ def run_sections(args: argparse.Namespace, settings: Settings, csv_path: Path) -
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as logdir:
         root = None
-        if {"input", "end-to-end"} & set(args.sections):
+        if {"input", "end-to-end", "storage"} & set(args.sections):
             root = args.data or fake_imagenet(Path(args.data_cache), FAKE_CLASSES, fake_imagenet_per_class(settings))
 
         def save(section_rows: List[dict]) -> None:
@@ -292,7 +297,8 @@ def run_sections(args: argparse.Namespace, settings: Settings, csv_path: Path) -
                     "end-to-end": lambda: end_to_end_section(settings, Path(logdir), root, save),
                     "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale, settings.code),
                     "comm": lambda: comm_section(settings, save),
-                    "scaling": lambda: scaling_section(settings, save)}
+                    "scaling": lambda: scaling_section(settings, save),
+                    "storage": lambda: storage_section(settings, Path(args.data_cache, "storage"), root, save)}
         for section in SECTIONS:
             if section in args.sections:
                 rows += sections[section]()

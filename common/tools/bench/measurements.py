@@ -101,6 +101,115 @@ def _peak_memory_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux: this process's peak
 
 
+# --- the storage section: the read stage alone ---
+
+class OpenCounter:
+    """The files this process opens under `roots` (builtins.open, io.open and
+    os.open wrapped while it is entered): a measured process's own count, which
+    its forked data-loading workers inherit and keep, each its own."""
+
+    def __init__(self, roots):
+        self.roots = tuple(os.path.realpath(root) + os.sep for root in roots if root)
+        self.opens = 0
+        self._saved = None
+
+    def _counted(self, function):
+        def opened(file, *args, **kwargs):
+            if isinstance(file, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(file)).startswith(
+                    self.roots):
+                self.opens += 1
+            return function(file, *args, **kwargs)
+        return opened
+
+    def __enter__(self) -> "OpenCounter":
+        import builtins
+        import io
+
+        self._saved = (builtins.open, io.open, os.open)
+        builtins.open = io.open = self._counted(builtins.open)
+        os.open = self._counted(os.open)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        import builtins
+        import io
+
+        builtins.open, io.open, os.open = self._saved
+
+
+class StorageReads:
+    """The read stage of a training epoch: image `index`'s bytes, from a
+    folder tree (one file each) or from shards (common.shards: a byte range
+    of a shard, through the store and the node-local cache); each item is
+    (image bytes, bytes from the source, bytes from the cache, files opened)."""
+
+    def __init__(self, spec: dict, counter: OpenCounter):
+        self.counter = counter
+        self.paths, self.split = None, None
+        if spec["format"] == "folder":
+            from common.dataset_lists import scan_split
+
+            _, samples = scan_split(Path(spec["data"], "train"))
+            self.paths = [path for path, _ in samples]
+        else:
+            from common.shards import open_sharded
+
+            self.split = open_sharded(spec["data"], spec.get("cache"), spec.get("cache_bytes", 0),
+                                      spec.get("endpoint_url")).train
+
+    def __len__(self) -> int:
+        return len(self.paths) if self.paths is not None else len(self.split)
+
+    def order(self, how: str, batch_size: int):
+        """Indices as the trainer reads them (`permutation`: TrainSampler's epoch 0,
+        seed 0) or as a sequential reader does (`shard`: each shard front to back)."""
+        if how == "shard":
+            import numpy as np
+
+            return np.lexsort((self.split.arrays["offset"], self.split.arrays["shard"])).tolist()
+        return list(_same_order(len(self), batch_size))
+
+    def __getitem__(self, index: int):
+        from common.image_files import read_file
+
+        before = self.counter.opens
+        if self.paths is not None:
+            data = read_file(self.paths[index])
+            return len(data), len(data), 0, self.counter.opens - before
+        fetched = self.split.read(index)
+        return len(fetched.data), fetched.source_bytes, fetched.cache_bytes, self.counter.opens - before
+
+
+def measure_storage_read(spec: dict) -> Dict[str, float]:
+    """One epoch's reads of spec["data"] by spec["workers"] data-loading workers,
+    timed from the first batch on (the workers' start-up left out): images/s,
+    MB/s of image bytes, files opened per second, and the source's and the
+    cache's bytes."""
+    import torch
+
+    os.environ.update(spec.get("environment", {}))  # the object store's credentials: this process only
+    with OpenCounter([spec["data"] if "://" not in spec["data"] else "", spec.get("cache")]) as counter:
+        reads = StorageReads(spec, counter)
+        loader = torch.utils.data.DataLoader(reads, batch_size=spec["batch_size"],
+                                             sampler=reads.order(spec["order"], spec["batch_size"]),
+                                             num_workers=spec["workers"], collate_fn=_summed)
+        totals, started, batches = [0, 0, 0, 0, 0], None, 0  # images, image bytes, source, cache, opens
+        for batches, summed in enumerate(loader):
+            if started is None:
+                started = time.perf_counter()
+                continue
+            totals = [total + value for total, value in zip(totals, summed)]
+        seconds = time.perf_counter() - started
+    return {"images_per_second": totals[0] / seconds, "ms_per_step": 1000.0 * seconds / max(batches, 1),
+            "mb_per_second": totals[1] / seconds / 1e6, "opens_per_second": totals[4] / seconds,
+            "source_mb": totals[2] / 1e6, "cache_mb": totals[3] / 1e6, "peak_memory_mib": _peak_memory_mib("cpu")}
+
+
+def _summed(items):
+    """A batch's reads summed: (images, image bytes, source bytes, cache bytes, files opened)."""
+    return (len(items), *(sum(column) for column in zip(*items)))
+
+
 # --- the project's input pipeline, timed alone; the dispatch of a --child ---
 
 def measure_input(backend: str, root: str, image_size: int, batch_size: int, workers: int, batches: int,
@@ -158,6 +267,8 @@ def child(spec: dict) -> dict:
         if spec["hook"] == "powersgd":  # compressing from the second step: within the measured ones
             flags += ["--powersgd-start-step", str(SCALING_POWERSGD_START_STEP)]
         return comm_bench.spawned("scaling", spec, cli.parse("ddp", flags))
+    if spec["kind"] == "storage-read":
+        return measure_storage_read(spec)
     if spec["kind"] == "reference-train":
         return reference_train_loop(spec["arch"], spec["batch_size"], spec["image_size"], spec["device"],
                                     spec["warmup_steps"], spec["steps"])

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from common.tools.bench.gpu_monitor import GpuMonitor
 from common.tools.bench.settings import Settings
@@ -21,12 +21,13 @@ from common.tools.bench.settings import Settings
 REPO = Path(__file__).resolve().parents[3]
 
 
-def run_child(spec: dict, gpu: Optional[GpuMonitor] = None) -> dict:
-    """measurements.child(spec) in a fresh process: its figures, with that process's id and the GPU's samples (_run)."""
+def run_child(spec: dict, gpu: Optional[GpuMonitor] = None, preexec_fn: Optional[Callable[[], None]] = None) -> dict:
+    """measurements.child(spec) in a fresh process: its figures, with that process's id and the GPU's samples (_run).
+    `preexec_fn` runs in it first (the storage section: it joins the throttled storage's cgroup)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         ran = _run([sys.executable, "-m", "common.tools.bench", "--child", json.dumps(spec), "--child-out", str(out)],
-                   gpu)
+                   gpu, preexec_fn)
         return dict(json.loads(out.read_text()), **ran)
 
 
@@ -39,12 +40,14 @@ class ChildFailed(RuntimeError):
         self.reason = f"exit {status}: {last[:300]}"
 
 
-def _run(command: List[str], gpu: Optional[GpuMonitor] = None) -> dict:
+def _run(command: List[str], gpu: Optional[GpuMonitor] = None,
+         preexec_fn: Optional[Callable[[], None]] = None) -> dict:
     """Run `command` from the repository, sampling the GPU meanwhile when `gpu`
     is given; its output is shown only if it fails (ChildFailed). Returns the
     process's id and the GPU's samples (None: not sampled)."""
     with gpu.sampling() if gpu else contextlib.nullcontext() as samples:
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   preexec_fn=preexec_fn)
         output, _ = process.communicate()
     if process.returncode != 0:
         raise ChildFailed(command, process.returncode, output)

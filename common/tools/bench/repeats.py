@@ -55,6 +55,7 @@ def measure_section(planned: Sequence[Planned], repeats: int, settings: Settings
 
 
 SPLIT_FIELDS = ("compute_ms", "exposed_comm_ms", "data_wait_ms")
+STORAGE_FIELDS = ("mb_per_second", "opens_per_second", "source_mb", "cache_mb")
 
 
 def summarize(measurements: Sequence[dict]) -> dict:
@@ -73,7 +74,7 @@ def summarize(measurements: Sequence[dict]) -> dict:
                    else "",  # none of one measurement, nor around 0
                    ms_per_step=statistics.median(measured["ms_per_step"] for measured in measurements),
                    peak_memory_mib=max(measured["peak_memory_mib"] for measured in measurements))
-    for key in SPLIT_FIELDS:  # the scaling section's split of the step: medians like the step's
+    for key in SPLIT_FIELDS + STORAGE_FIELDS:  # the scaling section's split, the storage section's rates: medians
         if all(key in measured for measured in measurements):
             summary[key] = statistics.median(measured[key] for measured in measurements)
     if "images_per_second_per_worker" in summary:
@@ -93,7 +94,7 @@ def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], s
     if failure:
         row["note"] = "; ".join(filter(None, (row["note"], failure)))
     with_machine(row, settings.code)
-    if row["section"] != "input" and isinstance(row["images_per_second"], (int, float)):
+    if row["section"] not in ("input", "storage") and isinstance(row["images_per_second"], (int, float)):
         gflop = flops.training_gflop_per_image(row["arch"], int(row["image_size"]))
         peak = settings.peak_tflops or (flops.gpu_peak_tflops(str(row["device_name"]), row["precision"])
                                         if settings.device == "cuda" else None)

@@ -28,14 +28,17 @@ FIELDS = ("section", "config", "command", "arch", "batch_size", "image_size", "p
           # the comm and scaling sections' (comm_bench): all-reduce times and bandwidths (nccl-tests' algbw,
           # busbw), and a DDP step split into compute, exposed communication and data wait
           "world_size", "backend", "hook", "size_bytes", "time_us", "algbw_gbytes_per_s", "busbw_gbytes_per_s",
-          "compute_ms", "exposed_comm_ms", "data_wait_ms")
+          "compute_ms", "exposed_comm_ms", "data_wait_ms",
+          # the storage section's (storage_section): the storage profile, and per read-stage row its image bytes
+          # read per second, files opened per second, and the megabytes that came from the source and the cache
+          "storage", "mb_per_second", "opens_per_second", "source_mb", "cache_mb")
 
 # Decimal places a row keeps of each measured figure (rounded()).
 ROUNDED = {"images_per_second": 2, "images_per_second_per_worker": 2, "ms_per_step": 2, "peak_memory_mib": 2,
            "images_per_second_min": 2, "images_per_second_max": 2, "spread_percent": 2, "gflop_per_image": 3,
            "mfu_percent": 2, "seconds": 2, "list_mib": 2, "worker_copied_mib": 3,
            "time_us": 1, "algbw_gbytes_per_s": 4, "busbw_gbytes_per_s": 4, "compute_ms": 2, "exposed_comm_ms": 2,
-           "data_wait_ms": 2}
+           "data_wait_ms": 2, "mb_per_second": 2, "opens_per_second": 1, "source_mb": 2, "cache_mb": 2}
 
 
 def record(**values) -> dict:

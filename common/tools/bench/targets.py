@@ -183,3 +183,31 @@ def comm_lines(rows: List[dict]) -> List[str]:
                          f"{float(row['compute_ms']):.1f} + exposed communication {float(row['exposed_comm_ms']):.1f} "
                          f"+ data wait {float(row['data_wait_ms']):.1f} ms")
     return lines
+
+
+# The issue's storage targets (issue 39): on the throttled profile the shards' read stage at least
+# STORAGE_SHARDS_OVER_TREE times the folder tree's images/s; on local disk a warm node-local cache's at least
+# STORAGE_CACHE_OVER_TREE of the folder tree's (within 10%).
+STORAGE_SHARDS_OVER_TREE, STORAGE_CACHE_OVER_TREE = 5.0, 0.9
+
+
+def storage_lines(rows: List[dict]) -> List[str]:
+    """The storage section's targets, against its rows (none without them: another section's CSV)."""
+    if not any(row["section"] == "storage" for row in rows):
+        return []
+    found = {(row["config"], row.get("storage")): row for row in rows if row["section"] == "storage"}
+    speed = {key: as_number(row["images_per_second"]) for key, row in found.items()}
+    profiles = list(dict.fromkeys(row.get("storage") for row in found.values() if row.get("storage")))
+    lines = []
+    for (numerator, denominator, target, wanted) in (
+            ("shards", "folder tree", STORAGE_SHARDS_OVER_TREE, "throttled"),
+            ("shards, warm node-local cache", "folder tree", STORAGE_CACHE_OVER_TREE, "local disk")):
+        profile = next((name for name in profiles if name.startswith(wanted)), None)
+        top, bottom = speed.get((numerator, profile)), speed.get((denominator, profile))
+        what = f"storage: {numerator} over the {denominator}, read stage, {profile or wanted}"
+        if top is None or not bottom:
+            why = found.get((numerator, profile), found.get((denominator, profile), {})).get("note") or "no row"
+            lines.append(f"{what}: {why if why.startswith('not measured') else f'not measured ({why})'}")
+            continue
+        lines.append(f"{what}: {top / bottom:.2f}x (target >= {target:g}x: {_met(top / bottom >= target)})")
+    return lines

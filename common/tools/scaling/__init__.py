@@ -17,16 +17,16 @@ bench, comm_bench) and the tests; each is defined in one module above.
 from common.tools.scaling.command_line import build_parser, main
 from common.tools.scaling.inputs import (links_from_comm_csv, measured_efficiencies, settings_from_bench,
                                          settings_from_run)
-from common.tools.scaling.model import (DEFAULT_GPUS, HOOKS, MIB, Bucket, Gradient, Links, ModelProfile, Settings,
+from common.tools.scaling.model import (DATA_LAYOUTS, DEFAULT_GPUS, HOOKS, MIB, Bucket, Gradient, Links, ModelProfile, Settings,
                                         StepPrediction, assign_buckets, bus_bandwidth, collective_bytes,
                                         ddp_bucket_caps, gbps_to_bytes, predict, predict_step, profile_model,
-                                        ring_allreduce_ms, solve_compute_ms)
+                                        ring_allreduce_ms, solve_compute_ms, supply_ms_by_epoch)
 from common.tools.scaling.presets import H100_LINKS, HAL_LINKS, PRESETS, preset
 from common.tools.scaling.report import CSV_COLUMNS, attach_measured, draw_figure, summary_lines, write_csv_new
 
 __all__ = ["build_parser", "main", "links_from_comm_csv", "measured_efficiencies", "settings_from_bench",
-           "settings_from_run", "DEFAULT_GPUS", "HOOKS", "MIB", "Bucket", "Gradient", "Links", "ModelProfile",
+           "settings_from_run", "DATA_LAYOUTS", "DEFAULT_GPUS", "HOOKS", "MIB", "Bucket", "Gradient", "Links", "ModelProfile",
            "Settings", "StepPrediction", "assign_buckets", "bus_bandwidth", "collective_bytes", "ddp_bucket_caps",
-           "gbps_to_bytes", "predict", "predict_step", "profile_model", "ring_allreduce_ms", "solve_compute_ms",
+           "gbps_to_bytes", "predict", "predict_step", "profile_model", "ring_allreduce_ms", "solve_compute_ms", "supply_ms_by_epoch",
            "H100_LINKS", "HAL_LINKS", "PRESETS", "preset", "CSV_COLUMNS", "attach_measured", "draw_figure",
            "summary_lines", "write_csv_new"]

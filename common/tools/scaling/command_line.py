@@ -25,7 +25,7 @@ from common.arguments import Parser, non_negative_float, positive_float, positiv
 from common.errors import UsageError
 from common.tools.scaling.inputs import (links_from_comm_csv, measured_efficiencies, read_csv, settings_from_bench,
                                          settings_from_run)
-from common.tools.scaling.model import (DEFAULT_GPUS, HOOKS, IMAGENET_MEAN_IMAGE_BYTES, MIB,
+from common.tools.scaling.model import (DATA_LAYOUTS, DEFAULT_GPUS, HOOKS, IMAGENET_MEAN_IMAGE_BYTES, MIB,
                                         NCCL_RING_NETWORK_LATENCY_US, NCCL_RING_NVLINK_LATENCY_US, Links,
                                         ModelProfile, Settings, assign_buckets, ddp_bucket_caps, gbps_to_bytes,
                                         predict, profile_model)
@@ -103,10 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="all-reduce bus bandwidth inside a node, Gbit/s (3600 = 450 GB/s)")
     links.add_argument("--intra-node-latency-us", type=non_negative_float, default=NCCL_RING_NVLINK_LATENCY_US)
     links.add_argument("--comm-csv", default=None, metavar="CSV", help="measured all-reduce rows (overrides)")
-    data = parser.add_argument_group("data supply")
-    data.add_argument("--loader-images-per-second", type=positive_float, default=None, help="per GPU")
-    data.add_argument("--storage-gbps", type=positive_float, default=None, help="shared file system, all nodes")
-    data.add_argument("--image-bytes", type=positive_float, default=IMAGENET_MEAN_IMAGE_BYTES)
+    _add_data_flags(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=None, metavar="CSV", help="default results/scaling/<name>.csv")
     out.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -118,6 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--measured", nargs="*", default=None, metavar="LOG_DIR",
                      help="measured runs drawn on the figure (default results/runs: GPU series of several counts)")
     return parser
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """The data supply: a loader's ceiling, the shared storage, the data's layout and the node-local cache."""
+    data = parser.add_argument_group("data supply")
+    data.add_argument("--loader-images-per-second", type=positive_float, default=None, help="per GPU")
+    data.add_argument("--storage-gbps", type=positive_float, default=None, help="shared file system, all nodes")
+    for flag, what in (("--node-storage-gbps", "one node's read bandwidth from the shared storage, Gbit/s"),
+                       ("--node-opens-per-second", "files one node may open per second on the shared storage (its "
+                                                   "metadata servers' share)"),
+                       ("--cache-gbps", "one node's read bandwidth from its local cache, Gbit/s (default: not "
+                                        "limiting)")):
+        data.add_argument(flag, type=positive_float, default=None, help=what)
+    data.add_argument("--data-layout", choices=DATA_LAYOUTS, default="files",
+                      help="files: an open per image, every epoch from the storage; shards: the same bytes, no opens "
+                           "to speak of; shards+cache: a node-local cache of whole shards (--data-cache), which in "
+                           "the first epoch copies every shard to every node (nodes x the bytes from the storage), "
+                           "then reads locally; warm-cache: every epoch local (a requeued job)")
+    data.add_argument("--epochs", type=positive_int, default=90,
+                      help="shards+cache: the step is the mean over these epochs (the first copies, the rest local)")
+    data.add_argument("--image-bytes", type=positive_float, default=IMAGENET_MEAN_IMAGE_BYTES)
 
 
 def settings_from_args(args) -> Settings:
@@ -136,6 +154,8 @@ def settings_from_args(args) -> Settings:
                         powersgd_rank=args.powersgd_rank,
                         powersgd_min_compression_rate=args.powersgd_min_compression_rate, links=links,
                         loader_images_per_second=args.loader_images_per_second, storage_gbps=args.storage_gbps,
+                        node_storage_gbps=args.node_storage_gbps, node_opens_per_second=args.node_opens_per_second,
+                        data_layout=args.data_layout, epochs=args.epochs, cache_gbps=args.cache_gbps,
                         image_bytes=args.image_bytes)
     if args.step_ms is not None and args.data_wait_ms + args.optimizer_ms >= args.step_ms:
         raise UsageError(f"argument --data-wait-ms: {args.data_wait_ms:g} ms (plus --optimizer-ms "

@@ -27,10 +27,19 @@ What it does, per GPU count N and hook:
      each node through it). Rings are pessimistic at large N for small buckets:
      NCCL switches to trees there (log N latency); this model does not.
   5. Data: a constant wait per step (--data-wait-ms, measured), and optionally a
-     supply ceiling: the loader's images/s per GPU (--loader-images-per-second)
-     and the shared file system's read bandwidth for all N GPUs together
-     (--storage-gbps, --image-bytes). Loading overlaps the step; the step takes
-     the longer of the two.
+     supply ceiling: the loader's images/s per GPU (--loader-images-per-second),
+     the shared storage's read bandwidth for all nodes together (--storage-gbps,
+     --image-bytes), one node's read bandwidth from it (--node-storage-gbps) and
+     the files one node may open on it per second (--node-opens-per-second).
+     Loading overlaps the step; the step takes the longer of the two. How the
+     data is laid out (--data-layout) says what a step asks of the storage
+     (supply_ms_by_epoch): files, one open per image; shards, the same bytes
+     and no opens to speak of (one per shard and process); shards+cache, a
+     node-local cache of whole shards: in the first epoch each node copies
+     every shard (a full permutation reads from all of them on every node), so
+     the source serves nodes x the bytes the GPUs consume, and the later
+     epochs read the node's own disk (--cache-gbps); the step is the mean
+     over --epochs; warm-cache, every epoch local (a requeued job).
 
 Hooks (what crosses the wire per bucket): none: the fp32 gradients (4 bytes each);
 fp16/bf16: 2 bytes each (the casts' time is left out: a few element-wise passes
@@ -58,6 +67,8 @@ DEFAULT_GPUS = tuple(2 ** power for power in range(11))  # 1 .. 1024
 # NCCL's cost model (NVIDIA/nccl src/graph/tuning.cc, 2020): Ring/Simple latency per step.
 NCCL_RING_NVLINK_LATENCY_US = 3.4
 NCCL_RING_NETWORK_LATENCY_US = 9.6
+# --data-layout: what a step asks of the storage (supply_ms_by_epoch).
+DATA_LAYOUTS = ("files", "shards", "shards+cache", "warm-cache")
 # ImageNet-1k's training set: 1,281,167 JPEGs in ~138 GB (ILSVRC2012_img_train.tar, 147,897,477,120 bytes).
 IMAGENET_MEAN_IMAGE_BYTES = 115_000
 
@@ -303,6 +314,11 @@ class Settings:
                          NCCL_RING_NETWORK_LATENCY_US * 1e-6)
     loader_images_per_second: Optional[float] = None  # per GPU, the input pipeline's ceiling
     storage_gbps: Optional[float] = None  # the shared file system's read bandwidth, all nodes together
+    node_storage_gbps: Optional[float] = None  # one node's read bandwidth from the shared storage
+    node_opens_per_second: Optional[float] = None  # files one node may open per second on the shared storage
+    data_layout: str = "files"  # DATA_LAYOUTS
+    epochs: int = 90  # shards+cache: the first copies every shard to every node, the others read locally
+    cache_gbps: Optional[float] = None  # one node's read bandwidth from its local cache (None: not limiting)
     image_bytes: float = IMAGENET_MEAN_IMAGE_BYTES
     scenario: str = "as given"
 
@@ -328,23 +344,58 @@ def predict_step(settings: Settings, profile: ModelProfile, buckets: Sequence[Bu
         comm_bytes += sum(sizes) if gpus > 1 else 0
     exposed = max(0.0, stream_free - backward_end)
     busy = backward_end + exposed + settings.optimizer_ms
-    # Data: the measured wait per micro-batch, or the supply ceiling if that is slower than the whole step.
-    images = steps * settings.batch_size
-    supply_ms = 0.0
-    if settings.loader_images_per_second:
-        supply_ms = max(supply_ms, 1000.0 * images / settings.loader_images_per_second)
-    if settings.storage_gbps:
-        supply_ms = max(supply_ms, 1000.0 * gpus * images * settings.image_bytes / gbps_to_bytes(settings.storage_gbps))
-    total = max(busy + steps * settings.data_wait_ms, supply_ms)
+    # Data: the measured wait per micro-batch, or the supply ceiling if that is slower than the whole step; with a
+    # node-local cache the first epoch's step and the later epochs' differ, and the step is their mean.
+    first_ms, later_ms = supply_ms_by_epoch(settings, gpus, steps * settings.batch_size)
+    waited = busy + steps * settings.data_wait_ms
+    total = max(waited, later_ms)
+    total += (max(waited, first_ms) - total) / settings.epochs  # 0 (exactly) unless the first epoch differs
     return StepPrediction(gpus, total / steps, (steps * compute_ms + settings.optimizer_ms) / steps,
                           comm_ms / steps, exposed / steps, (total - busy) / steps, comm_bytes)
+
+
+def supply_ms_by_epoch(settings: Settings, gpus: int, images: int) -> Tuple[float, float]:
+    """The time the data supply needs for one step of `images` per GPU at
+    `gpus` GPUs, in the first epoch and in each later one (ms): the slowest
+    of the loader, the shared storage's bandwidth (all nodes), a node's
+    bandwidth and its opens per second, and the local cache's bandwidth, as
+    settings.data_layout asks of each (the module's docstring, 5)."""
+    nodes = settings.links.nodes(gpus)
+    consumed_bytes = gpus / nodes * images * settings.image_bytes  # what one node's GPUs take in a step
+    loader_ms = 1000.0 * images / settings.loader_images_per_second if settings.loader_images_per_second else 0.0
+
+    def from_source(node_bytes: float, node_opens: float) -> float:
+        limits = [loader_ms]
+        if settings.storage_gbps:
+            limits.append(1000.0 * nodes * node_bytes / gbps_to_bytes(settings.storage_gbps))
+        if settings.node_storage_gbps:
+            limits.append(1000.0 * node_bytes / gbps_to_bytes(settings.node_storage_gbps))
+        if settings.node_opens_per_second:
+            limits.append(1000.0 * node_opens / settings.node_opens_per_second)
+        return max(limits)
+
+    local_ms = max(loader_ms, 1000.0 * consumed_bytes / gbps_to_bytes(settings.cache_gbps) if settings.cache_gbps
+                   else 0.0)
+    if settings.data_layout == "warm-cache":
+        return local_ms, local_ms
+    if settings.data_layout == "shards+cache":  # a step's share of every node copying the whole dataset
+        return from_source(gpus * images * settings.image_bytes, 0.0), local_ms
+    opens = gpus / nodes * images if settings.data_layout == "files" else 0.0
+    supply_ms = from_source(consumed_bytes, opens)
+    return supply_ms, supply_ms
+
+
+def without_data_limits(settings: Settings) -> Settings:
+    """`settings` with no ceiling on the data supply (how the measured step is read)."""
+    return replace(settings, loader_images_per_second=None, storage_gbps=None, node_storage_gbps=None,
+                   node_opens_per_second=None, cache_gbps=None, data_layout="files")
 
 
 def solve_compute_ms(settings: Settings, profile: ModelProfile, buckets: Sequence[Bucket]) -> float:
     """Forward+backward time per micro-batch such that the model reproduces the
     measured step at measured_gpus (the communication the model predicts there
     comes off the measured time). Bisection: the step grows with compute."""
-    measured = replace(settings, accumulation_steps=1, loader_images_per_second=None, storage_gbps=None)
+    measured = replace(without_data_limits(settings), accumulation_steps=1)
     target = settings.step_ms - settings.data_wait_ms - settings.optimizer_ms
     if target <= 0:
         raise UsageError(f"argument --data-wait-ms: {settings.data_wait_ms:g} ms (plus --optimizer-ms "

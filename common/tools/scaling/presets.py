@@ -37,6 +37,7 @@ H100_STEP_MS = 70.0
 # That H100 machine's input pipeline alone (torchvision decode, 12 workers): 2907 images/s
 # (results/bench/gpu_h100_2026-11-24_2_amp-compile-input.csv, section input): slower than the GPU.
 H100_LOADER_12_WORKERS = 2907.26
+UPSTREAM_EPOCHS = 90  # the 2020 runs' schedule (results/upstream/README.md)
 
 
 def upstream_settings() -> Settings:
@@ -64,10 +65,17 @@ def preset(name: str) -> Tuple[List[Settings], List[Path]]:
     if name == "upstream-v100-hal":
         base = upstream_settings()
         storage = _storage_peak_gbps()
+        ceiling = replace(base, storage_gbps=storage)
         return [base,
-                replace(base, storage_gbps=storage,
-                        scenario=f"+ storage ceiling {storage / 8:.2f} GB/s (peak read in the 64-GPU run's own "
-                                 f"storage log: explains, does not predict)")], [UPSTREAM]
+                replace(ceiling, scenario=f"+ storage ceiling {storage / 8:.2f} GB/s (peak read in the 64-GPU run's "
+                                          f"own storage log: explains, does not predict)"),
+                # Issue 39: the same storage behind shards and a node-local cache (predicted, not measured).
+                replace(ceiling, data_layout="shards+cache", epochs=UPSTREAM_EPOCHS,
+                        scenario=f"the same storage, shards + node-local cache: epoch 1 every node copies the "
+                                 f"dataset from it, {UPSTREAM_EPOCHS - 1} epochs local (predicted)"),
+                replace(ceiling, data_layout="warm-cache",
+                        scenario="the same storage, a warm node-local cache (a requeued job: every epoch local; "
+                                 "predicted)")], [UPSTREAM]
     if name == "h100-8x8":
         base = Settings(arch="resnet50", batch_size=256, step_ms=H100_STEP_MS, links=H100_LINKS,
                         scenario="DDP defaults (bucket 25 MiB)")
