@@ -9,7 +9,7 @@ import torch
 
 from common.rundir import CHECKPOINT_NAME
 from common.tools import pack_shards
-from helpers import (ENV, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
+from helpers import (DALI_INSTALLED, ENV, REPO, assert_one_line_error, make_image_folder, max_abs_diff, metrics, metrics_rows,
                      run_script, single_run_dir, weights)
 
 # Random crops and flips (the default scale and flip), drawn in a data-loading worker.
@@ -28,11 +28,15 @@ def packed(tree):
     return out
 
 
-@pytest.mark.slow  # two runs, ~7 s
-def test_a_run_on_the_shards_ends_on_the_weights_of_the_run_on_the_tree(tree, packed, tmp_path):
+@pytest.mark.slow  # two runs, ~7 s each backend
+@pytest.mark.parametrize("backend", ["torchvision", "pil", pytest.param("dali", marks=pytest.mark.skipif(
+    not DALI_INSTALLED, reason="NVIDIA DALI is not installed (pip install -r requirements-dali.txt)"))])
+def test_a_run_on_the_shards_ends_on_the_weights_of_the_run_on_the_tree(tree, packed, tmp_path, backend):
+    """Every backend reads the shards' bytes where it reads a file's (dali: decoded in the training
+    process, on the CPU here); the gpu backend's workers are the dali backend's (pipelines.EncodedImages)."""
     for name, data in (("tree", tree), ("shards", packed)):
-        done = run_script([REPO / "imagenet_nd.py", data, *TRAIN, "--epochs", "1", "--logdir", tmp_path / name],
-                          env_extra=ENV)
+        done = run_script([REPO / "imagenet_nd.py", data, *TRAIN, "--epochs", "1", "--data-backend", backend,
+                           "--logdir", tmp_path / name], env_extra=ENV)
         assert done.returncode == 0, done.stderr
     assert f"shards: 9 in {packed}, images as packed from the source" in done.stdout
     on_tree, on_shards = single_run_dir(tmp_path / "tree"), single_run_dir(tmp_path / "shards")
