@@ -298,10 +298,11 @@ def _check_dataset(ns: argparse.Namespace) -> None:
 def _check_shard_flags(ns: argparse.Namespace) -> None:
     """A sharded DATA's flags: each only with the DATA it is for; no credentials in a URL."""
     sharded, object_store = is_sharded(ns.data), ns.data.startswith(OBJECT_STORE_SCHEMES)
-    if object_store and (_CREDENTIALS_IN_URL.match(ns.data) or not ns.data.split("://", 1)[1].strip("/")):
-        what = "credentials in the URL" if "@" in ns.data else "no bucket"
-        raise UsageError(f"DATA {ns.data}: {what}; give s3://bucket/prefix, with credentials from the AWS "
-                         f"environment or profile")
+    if object_store and "@" in ns.data:  # no bucket name holds one; a secret may hold '/' too: the URL is not echoed
+        raise UsageError("DATA: an s3:// URL with '@' in it (credentials?) is refused; give s3://bucket/prefix, with "
+                         "credentials from the AWS environment or profile")
+    if object_store and not ns.data.split("://", 1)[1].strip("/"):
+        raise UsageError(f"DATA {ns.data}: no bucket; give s3://bucket/prefix")
     for flag, value, needed in (("--file-list", ns.file_list, not sharded), ("--data-cache", ns.data_cache, sharded),
                                 ("--data-cache-size", ns.data_cache_bytes or None, ns.data_cache is not None),
                                 ("--s3-endpoint-url", ns.s3_endpoint_url, object_store)):
@@ -321,7 +322,6 @@ def _check_shard_flags(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --data-cache: {ns.data_cache} is not a folder")
 
 
-_CREDENTIALS_IN_URL = re.compile(r"[A-Za-z0-9+.-]+://[^/]*@")
 
 
 def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:

@@ -14,8 +14,10 @@ workers: it opens files and connections lazily, once per process.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import re
 import fcntl
 import glob
 import hashlib
@@ -23,7 +25,7 @@ import importlib
 import os
 import sys
 import threading
-from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import urlsplit
 
 from common.errors import DATA_TIMEOUT_EXIT_STATUS, ReportedError, UsageError, error_summary
@@ -83,15 +85,63 @@ class Store:
         return self.location
 
 
+# Descriptors of shards one process keeps open, per store: the least recently read are closed past it. ImageNet
+# in 100 MB shards is ~1,500 of them, over the usual soft limit of 1,024 descriptors a process.
+MAX_OPEN_SHARDS = 128
+
+
+class OpenFiles:
+    """A process's open descriptors by name, at most `limit` of them (the
+    least recently used closed first). A forked child closes its copies of
+    its parent's and opens its own."""
+
+    def __init__(self, limit: int = MAX_OPEN_SHARDS):
+        self.limit = limit
+        self._open: "collections.OrderedDict[str, int]" = collections.OrderedDict()
+        self._pid = os.getpid()
+
+    def get(self, name: str) -> Optional[int]:
+        if self._pid != os.getpid():
+            self.close()
+            self._pid = os.getpid()
+        descriptor = self._open.get(name)
+        if descriptor is not None:
+            self._open.move_to_end(name)
+        return descriptor
+
+    def add(self, name: str, descriptor: int) -> int:
+        self._open[name] = descriptor
+        while len(self._open) > self.limit:
+            os.close(self._open.popitem(last=False)[1])
+        return descriptor
+
+    def close(self) -> None:
+        while self._open:
+            with contextlib.suppress(OSError):
+                os.close(self._open.popitem()[1])
+
+
+def open_read_only(path: str, location: str, name: str) -> Optional[int]:
+    """A descriptor of `path` (object `name` of `location`), None when it does not
+    exist; any other failure (permissions, too many open files, a stale NFS
+    handle) one line naming it."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise UsageError(f"DATA {location}: cannot open {name} ({path}: {error.strerror or error})") from None
+
+
 class LocalStore(Store):
     """A directory on a local or shared (NFS, Lustre, GPFS) file system.
-    Files stay open (one descriptor per shard and process) and are read
-    with pread: one open per shard and process, not one per image."""
+    Files stay open (one descriptor per shard and process, at most
+    MAX_OPEN_SHARDS) and are read with pread: one open per shard and
+    process, not one per image."""
 
     def __init__(self, root: str):
         self.location = root
-        self._files: Dict[str, int] = {}
-        self._pid = os.getpid()
+        self._files = OpenFiles()
         self._lock = threading.Lock()  # --workers 0: the data-timeout watcher's thread reads beside the loop
 
     def __getstate__(self):
@@ -100,23 +150,28 @@ class LocalStore(Store):
     def __setstate__(self, state):
         self.__init__(state["location"])
 
+    def __del__(self):
+        self._files.close()
+
     def _descriptor(self, name: str) -> int:
-        if self._pid != os.getpid():  # a forked worker: the parent's descriptors share its file offsets
-            self._files, self._pid = {}, os.getpid()
         with self._lock:
-            if name not in self._files:
-                path = os.path.join(self.location, name)
-                try:
-                    self._files[name] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    raise MissingObject(f"DATA {self.location}: {name} is missing (named by its manifest)") from None
-            return self._files[name]
+            descriptor = self._files.get(name)
+            if descriptor is None:
+                descriptor = open_read_only(os.path.join(self.location, name), self.location, name)
+                if descriptor is None:
+                    raise MissingObject(f"DATA {self.location}: {name} is missing (named by its manifest)")
+                self._files.add(name, descriptor)
+            return descriptor
 
     def read(self, name: str, offset: int = 0, length: Optional[int] = None) -> Fetched:
         descriptor = self._descriptor(name)
-        if length is None:
-            length = os.fstat(descriptor).st_size - offset
-        data = os.pread(descriptor, length, offset)
+        try:
+            if length is None:
+                length = os.fstat(descriptor).st_size - offset
+            data = os.pread(descriptor, length, offset)
+        except OSError as error:  # EIO, a stale NFS handle: the storage, not the user (as an object store's)
+            raise StorageUnreachable(f"DATA {self.location}: reading {name} failed ({error.strerror or error}); "
+                                     f"once it reads again, continue with --resume") from None
         return Fetched(data, source_bytes=len(data))
 
     def size(self, name: str) -> int:
@@ -173,10 +228,10 @@ class S3Store(Store):
 
     def __init__(self, location: str, endpoint_url: Optional[str] = None, attempts: int = S3_ATTEMPTS,
                  connect_timeout_s: float = S3_CONNECT_TIMEOUT_S, read_timeout_s: float = S3_READ_TIMEOUT_S):
-        parts = urlsplit(location)
-        if "@" in parts.netloc:
-            raise UsageError(f"DATA {location}: credentials in the URL are refused; give them as "
+        if "@" in location:  # no bucket name holds one; a secret may hold '/' too: the URL is not echoed
+            raise UsageError("DATA: an s3:// URL with '@' in it (credentials?) is refused; give them as "
                              "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or an AWS profile")
+        parts = urlsplit(location)
         if not parts.netloc:
             raise UsageError(f"DATA {location}: no bucket (s3://bucket/prefix)")
         self.location = location.rstrip("/")
@@ -301,6 +356,8 @@ def _import_boto3(location: str, module: str = "boto3"):
 
 # With no --data-cache-size the cache fills its disk up to this margin (or a twentieth of the disk, if less).
 CACHE_MARGIN_BYTES = 1 << 30
+# A cached shard's file name (NodeCache.path: the first 24 hex digits of its sha256, then its name), or a copy's.
+CACHED_NAME = re.compile(r"[0-9a-f]{24}-[^/]+\.tar(\.partial-[0-9]+)?")
 COPY_CHUNK_BYTES = 8 << 20  # a shard is copied in pieces of this size: a 1 GB shard never sits in memory
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
@@ -334,7 +391,8 @@ class NodeCache(Store):
         self._start_process()
 
     def _start_process(self):
-        self._files: Dict[str, int] = {}  # this process's descriptors of cached shards
+        # This process's descriptors of cached shards (a forked worker's OpenFiles closes its parent's copies).
+        self._files = getattr(self, "_files", None) or OpenFiles()
         self._uncached: set = set()  # shards this process reads from the source: the cache had no room
         self._warned, self._pid, self._lock = False, os.getpid(), threading.Lock()
 
@@ -375,8 +433,11 @@ class NodeCache(Store):
     def _descriptor(self, name: str) -> Tuple[Optional[int], int]:
         """This process's descriptor of the cached copy of `name` (None: read
         it from the source), and the bytes copied from the source to make it."""
-        if name in self._files or name in self._uncached:
-            return self._files.get(name), 0
+        if name in self._uncached:
+            return None, 0
+        descriptor = self._files.get(name)
+        if descriptor is not None:
+            return descriptor, 0
         path = self.path(name)
         descriptor, copied_bytes = self._open_whole(name, path), 0
         if descriptor is None:
@@ -388,14 +449,13 @@ class NodeCache(Store):
         if descriptor is None:
             self._uncached.add(name)
         else:
-            self._files[name] = descriptor
+            self._files.add(name, descriptor)
         return descriptor, copied_bytes
 
     def _open_whole(self, name: str, path: str) -> Optional[int]:
         """The cached copy, opened, if it is there and whole (its size: a cut copy is made again)."""
-        try:
-            descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
+        descriptor = open_read_only(path, self.location, name)
+        if descriptor is None:
             return None
         if os.fstat(descriptor).st_size != self.expected[name][0]:
             os.close(descriptor)
@@ -463,12 +523,17 @@ def make_room(directory: str, cap_bytes: int, path: str, size: int, descriptor: 
     with _locked(os.path.join(directory, ".room.lock")):
         cached, busy_bytes = [], 0
         for entry in os.scandir(directory):
-            if entry.name.endswith(".lock") or entry.path == path:
+            # The cache's own files only (NodeCache.path's names): DIR may hold anything else, never deleted.
+            if entry.path == path or not CACHED_NAME.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                status = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # renamed into place or removed by another process since the listing
                 continue
             if ".partial-" in entry.name:
-                busy_bytes += entry.stat().st_size  # another shard's copy, its space reserved
+                busy_bytes += status.st_size  # another shard's copy, its space reserved
             else:
-                cached.append((entry.stat().st_mtime, entry.stat().st_size, entry.path))
+                cached.append((status.st_mtime, status.st_size, entry.path))
         used_bytes = busy_bytes + sum(bytes_ for _, bytes_, _ in cached)
         budget_bytes = cap_bytes
         if not cap_bytes:
