@@ -109,11 +109,10 @@ class OpenFiles:
             self._open.move_to_end(name)
         return descriptor
 
-    def add(self, name: str, descriptor: int) -> int:
+    def add(self, name: str, descriptor: int) -> None:
         self._open[name] = descriptor
         while len(self._open) > self.limit:
             os.close(self._open.popitem(last=False)[1])
-        return descriptor
 
     def close(self) -> None:
         while self._open:
@@ -122,9 +121,8 @@ class OpenFiles:
 
 
 def open_read_only(path: str, location: str, name: str) -> Optional[int]:
-    """A descriptor of `path` (object `name` of `location`), None when it does not
-    exist; any other failure (permissions, too many open files, a stale NFS
-    handle) one line naming it."""
+    """A descriptor of `path` (object `name` of `location`), None when it does not exist; any other
+    failure (permissions, too many open files, a stale NFS handle) one line naming it."""
     try:
         return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -531,6 +529,9 @@ def make_room(directory: str, cap_bytes: int, path: str, size: int, descriptor: 
             except FileNotFoundError:  # renamed into place or removed by another process since the listing
                 continue
             if ".partial-" in entry.name:
+                if not _alive(int(entry.name.rsplit("-", 1)[1])):  # left by a killed process: its room is free
+                    _remove(entry.path)
+                    continue
                 busy_bytes += status.st_size  # another shard's copy, its space reserved
             else:
                 cached.append((status.st_mtime, status.st_size, entry.path))
@@ -562,6 +563,17 @@ def _locked(path: str):
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this node: the cache is node-local; another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _remove(path: str) -> None:

@@ -42,8 +42,8 @@ from common.arguments import Parser, byte_size, int_at_least
 from common.dataset_lists import SPLITS, DatasetLists, FileList, pack, scan_dataset
 from common.errors import UsageError, error_summary, run_main
 from common.files import atomic_write, format_bytes
-from common.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, index_name, shard_name, stored_sha256,
-                           verify)
+from common.shards import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, expected_shards, index_name, open_sharded,
+                           shard_name, stored_sha256, verify)
 from common.storage import LocalStore
 
 TOOL_VERSION = 1
@@ -55,8 +55,9 @@ DEFAULT_JPEG_QUALITY = 90
 
 def build_parser() -> Parser:
     parser = Parser(prog="python -m common.tools.pack_shards", description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", type=Path, metavar="DATA", help="the dataset folder, holding train/ and val/ (with "
-                                                                "--verify: the shards' folder)")
+    # A string: Path would fold s3://bucket into s3:/bucket (--fill-cache); pack_dataset makes it a Path.
+    parser.add_argument("data", metavar="DATA", help="the dataset folder, holding train/ and val/ (with --verify: the "
+                                                     "shards' folder; with --fill-cache: it, or s3://bucket/prefix)")
     parser.add_argument("out", type=Path, metavar="OUT", nargs="?", help="the shards' folder (new, or an "
                                                                         "interrupted pack's, to finish it)")
     parser.add_argument("--shard-size", type=byte_size, default=byte_size(DEFAULT_SHARD_SIZE), metavar="SIZE",
@@ -68,7 +69,29 @@ def build_parser() -> Parser:
                                           f"{DEFAULT_JPEG_QUALITY} unless given)")
     parser.add_argument("--seed", type=int, default=0, help="the shuffle of the training images inside the shards")
     parser.add_argument("--verify", action="store_true", help="check the shards in DATA against their manifest")
+    parser.add_argument("--fill-cache", metavar="DIR", default=None,
+                        help="copy every shard of DATA into the node-local cache DIR (what --data-cache DIR does in "
+                             "a first epoch), checked against the manifest: once per node before training, so the "
+                             "first epoch reads locally instead of waiting for copies")
+    parser.add_argument("--s3-endpoint-url", default=None, metavar="URL",
+                        help="with --fill-cache and s3:// DATA: the S3-compatible server (default: the AWS "
+                             "environment's or profile's)")
     return parser
+
+
+def fill_cache(data: str, directory: str, endpoint_url: Optional[str]) -> None:
+    """--fill-cache: each shard of `data` copied into the cache `directory`
+    (skipped when already there and whole), one progress line each."""
+    dataset = open_sharded(data, directory, 0, endpoint_url)
+    names = list(expected_shards(dataset.manifest))
+    started, copied_bytes = time.monotonic(), 0
+    for number, name in enumerate(names, 1):
+        copied_bytes += dataset.store.read(name, 0, 1).source_bytes  # a first read copies the shard whole
+        rate = copied_bytes / max(time.monotonic() - started, 1e-9)
+        print(f"{name}: shards {number}/{len(names)} in {directory}; {format_bytes(copied_bytes)} copied, "
+              f"{format_bytes(int(rate))}/s", flush=True)
+    print(f"--fill-cache {directory}: the {len(names)} shards of {data} are in the cache (a shard that did not fit "
+          f"was said above)", flush=True)
 
 
 def encoding_of(max_side: Optional[int], jpeg_quality: Optional[int]) -> dict:
@@ -282,6 +305,15 @@ def pack_dataset(args) -> None:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.fill_cache is not None:
+        if args.out is not None or args.verify:
+            raise UsageError("argument --fill-cache: takes DATA alone (python -m common.tools.pack_shards "
+                             "--fill-cache DIR DATA)")
+        fill_cache(args.data, args.fill_cache, args.s3_endpoint_url)
+        return
+    if args.s3_endpoint_url is not None:
+        raise UsageError("argument --s3-endpoint-url: only with --fill-cache")
+    args.data = Path(args.data)
     if args.verify:
         if args.out is not None:
             raise UsageError("argument --verify: takes one folder, the shards' (python -m common.tools.pack_shards "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import tarfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from PIL import Image
 
 from common import cli, data, shards
 from common.arguments import byte_size
-from common.dataset_lists import scan_dataset
+from common.dataset_lists import SPLITS, scan_dataset
 from common.errors import USAGE_EXIT_STATUS, UsageError
 from common.image_files import BadImageError
 from common.pipelines import EncodedImages, PILImages, TensorImages, train_transform
@@ -261,6 +262,23 @@ def test_the_shard_flags_reach_the_config_and_their_mistakes_are_one_line(packed
         cli.parse("nd", ["s3://bucket/x", "--s3-endpoint-url", "http://user:pw@host:9000"])
     with pytest.raises(UsageError, match=r"DATA s3://: no bucket"):
         cli.parse("nd", ["s3://"])
+
+
+def test_fill_cache_copies_every_shard_once_so_training_reads_none_from_the_source(packed, tmp_path, capsys):
+    """A job's stage-in, once per node: after it, the cache serves every read; run again, it copies nothing."""
+    pack_shards.main(["--fill-cache", str(tmp_path / "cache"), str(packed)])
+    names = [shard["name"] for split in SPLITS for shard in manifest_of(packed)["splits"][split]["shards"]]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith(f"--fill-cache {tmp_path / 'cache'}: the {len(names)} shards of {packed}")
+    assert sorted(name.split("-", 1)[1] for name in os.listdir(tmp_path / "cache") if name.endswith(".tar")) == \
+        sorted(names)
+    dataset = shards.open_sharded(str(packed), str(tmp_path / "cache"))
+    reads = [dataset.train.read(index) for index in range(len(dataset.train))]
+    assert sum(read.source_bytes for read in reads) == 0 and all(read.cache_bytes for read in reads)
+    pack_shards.main(["--fill-cache", str(tmp_path / "cache"), str(packed)])
+    assert "0 B copied" in capsys.readouterr().out.splitlines()[-2]
+    with pytest.raises(UsageError, match="argument --s3-endpoint-url: only with --fill-cache"):
+        pack_shards.main([str(packed), str(tmp_path / "out"), "--s3-endpoint-url", "http://127.0.0.1:9000"])
 
 
 def test_sizes_take_decimal_and_binary_units():

@@ -108,6 +108,13 @@ def test_the_cache_evicts_its_own_shards_only_never_the_users_files(tmp_path):
     assert [cache.read(f"shard-{index}.tar", 0, 1).source_bytes for index in range(3)] == [1000] * 3
     assert (tmp_path / "cache" / "thesis.tex").read_text() == "the user's" and (tmp_path / "cache" / "results").is_dir()
     assert len([name for name in cached_files(tmp_path / "cache") if name.endswith(".tar")]) == 2  # under the cap
+    # A copy left by a killed process (no such pid) holds no room: a shard that fits beside the others is copied.
+    dead = cache.path("shard-1.tar") + ".partial-999999999"  # another shard's: not its own stale copy
+    with open(dead, "wb") as left:
+        left.truncate(2000)
+    assert NodeCache(LocalStore(str(tmp_path / "data")), str(tmp_path / "cache"), 2500, expected).read(
+        "shard-0.tar", 0, 1).source_bytes == 1000
+    assert not os.path.exists(dead)
 
 
 def test_a_process_keeps_at_most_its_limit_of_shards_open(tmp_path):
