@@ -28,6 +28,7 @@ import threading
 from typing import List, Mapping, NamedTuple, Optional, Tuple
 from urllib.parse import urlsplit
 
+from common.config import OBJECT_STORE_SCHEMES
 from common.errors import DATA_TIMEOUT_EXIT_STATUS, ReportedError, UsageError, error_summary
 from common.files import format_bytes, room_at
 
@@ -202,7 +203,7 @@ S3_REQUIREMENT = "pip install -r requirements-s3.txt"
 
 def is_object_store(location: Optional[str]) -> bool:
     """Whether DATA (None: --synthetic) is in an object store."""
-    return bool(location) and location.startswith("s3://")
+    return bool(location) and location.startswith(OBJECT_STORE_SCHEMES)
 
 
 def check_endpoint_url(endpoint_url: str) -> str:
@@ -352,8 +353,7 @@ def _import_boto3(location: str, module: str = "boto3"):
         raise UsageError(f"DATA {location}: reading an object store needs boto3: {S3_REQUIREMENT}") from None
 
 
-# With no --data-cache-size the cache fills its disk up to this margin (or a twentieth of the disk, if less).
-CACHE_MARGIN_BYTES = 1 << 30
+CACHE_MARGIN_BYTES = 1 << 30  # no --data-cache-size: the cache fills its disk to this (or a twentieth of it, if less)
 # A cached shard's file name (NodeCache.path: the first 24 hex digits of its sha256, then its name), or a copy's.
 CACHED_NAME = re.compile(r"[0-9a-f]{24}-[^/]+\.tar(\.partial-[0-9]+)?")
 COPY_CHUNK_BYTES = 8 << 20  # a shard is copied in pieces of this size: a 1 GB shard never sits in memory
