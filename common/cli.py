@@ -340,4 +340,5 @@ def run(main: Callable[[], object]) -> None:
     and exit status 2, Ctrl-C exit status 130, neither with a traceback
     (errors.exit_status)."""
     process_signals.ignore_stop_signals_until_training()
+    process_signals.dump_stacks_on_quit()
     run_main(main, *launcher.launched_identity())

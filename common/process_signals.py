@@ -10,6 +10,7 @@ every process of a job step) and say nothing when it stops mid-transfer.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import multiprocessing
 import multiprocessing.context
@@ -18,7 +19,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 
 def die_with_parent() -> None:
@@ -136,6 +137,26 @@ def ignore_stop_signals_until_training() -> None:
     arrives during start-up is ignored instead of killing the process."""
     for signum in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)
+
+
+def dump_stacks_on_quit() -> None:
+    """SIGQUIT (Ctrl-\\ at a terminal) writes the stack of every Python thread of this process to stderr, and
+    the process goes on, instead of ending with a core dump: what a hang looks like from inside. The
+    spawner asks it of a worker its peers gave up on, and of that worker's data-loading workers, which
+    inherit the handler when forked, before it kills them (common.spawn)."""
+    faulthandler.register(signal.SIGQUIT, all_threads=True, chain=False)
+
+
+def children_of(pid: int) -> List[int]:
+    """The processes whose parent is `pid`, as /proc says ([] where it cannot)."""
+    children = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # it exited meanwhile
+            continue
+    return children
 
 
 def _silent_when_the_trainer_is_gone(kind, value, traceback) -> None:

@@ -28,11 +28,13 @@ from common.errors import (DATA_TIMEOUT_EXIT_STATUS, FAILED_EXIT_STATUS, INTERRU
                            WRITE_FAILED_EXIT_STATUS, ReportedError, error_summary, exit_status, program,
                            skip_final_collection, without_credentials)
 from common.launcher import Launch, check_before_start, discover, ray_train_context
-from common.process_signals import die_with_parent, ignore_stop_signals_until_training, stuck_state
+from common.process_signals import (children_of, die_with_parent, dump_stacks_on_quit, ignore_stop_signals_until_training,
+                                    stuck_state)
 from common.rendezvous import join_process_group, roll_call, roll_call_seconds
 
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
+STACK_DUMP_SECONDS = 2.0  # after SIGQUIT, how long a worker that stopped answering gets to write its stacks
 
 
 # What a collective raises when a peer process has gone (gloo, NCCL): the peer's own output says why.
@@ -113,6 +115,7 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
     # takes too long).
     signal.signal(signal.SIGTERM, _interrupt)
     ignore_stop_signals_until_training()
+    dump_stacks_on_quit()
     try:
         # What the script stands in for (common/lazy.py), before the process group's threads: seconds, in
         # which a stop signal is an interruption too (a quiet exit, not a traceback from inside an import).
@@ -123,6 +126,22 @@ def _spawned_worker(local_rank: int, train, cfg: Config, launch: Launch) -> None
         sys.exit(exit_status(error, launch.rank_of(local_rank), local_rank, say_interrupted=False))
     finally:
         skip_final_collection()
+
+
+def _dump_stacks(worker, stopped: bool) -> None:
+    """Where a worker that stopped answering, and its data-loading workers, wait: each writes its threads'
+    stacks to stderr on SIGQUIT (process_signals.dump_stacks_on_quit), a moment before it is killed. A
+    stopped process could not: nothing is asked of it."""
+    if stopped:
+        return
+    print(f"{program()}: the stacks of worker {worker.name} (pid {worker.pid}) and of its data-loading workers "
+          f"follow, where each thread waited:", file=sys.stderr, flush=True)
+    for pid in (worker.pid, *children_of(worker.pid)):
+        try:
+            os.kill(pid, signal.SIGQUIT)
+        except ProcessLookupError:  # it exited meanwhile
+            pass
+    time.sleep(STACK_DUMP_SECONDS)
 
 
 def _signal_name(exitcode: int) -> str:
@@ -263,6 +282,7 @@ def _report_failure(workers, running, signals_received, roll_call_seconds: float
             print(f"{program()}: error: worker {worker.name} stopped answering{state}: its peers gave up on it after "
                   f"--dist-timeout{after}; killed it and stopped the other workers of this node",
                   file=sys.stderr, flush=True)
+            _dump_stacks(worker, stopped=bool(state))
             worker.kill()
         _stop(workers)
         sys.exit(PEER_LOST_EXIT_STATUS)

@@ -255,6 +255,78 @@ def test_the_launcher_names_the_worker_that_stopped_answering_not_the_peer_that_
         f"this node"]
 
 
+def _data_loading_worker_waiting_for_ever(ready):
+    from common.process_signals import die_with_parent
+
+    die_with_parent()
+    ready.set()
+    _a_batch_that_never_comes()
+
+
+def _a_batch_that_never_comes():
+    import time
+
+    time.sleep(600)
+
+
+def _worker_waiting_in_a_collective(ready, child_ready):
+    import multiprocessing
+
+    from common.process_signals import dump_stacks_on_quit
+
+    dump_stacks_on_quit()  # as spawn._spawned_worker does; the forked child inherits it
+    multiprocessing.get_context("fork").Process(target=_data_loading_worker_waiting_for_ever,
+                                                args=(child_ready,)).start()
+    ready.set()
+    _a_collective_nobody_joins()
+
+
+def _a_collective_nobody_joins():
+    import time
+
+    time.sleep(600)
+
+
+def test_the_launcher_writes_the_stacks_of_a_worker_that_stopped_answering_and_its_data_workers_then_kills_them(
+        monkeypatch, capfd):
+    import multiprocessing
+    import time
+
+    from common import spawn
+    from common.process_signals import children_of, stuck_state
+
+    monkeypatch.setattr(spawn, "WORKER_STOP_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(spawn, "STACK_DUMP_SECONDS", 6.0)  # a loaded machine may take a while to run the handlers
+    fork = multiprocessing.get_context("fork")
+    ready, child_ready = fork.Event(), fork.Event()
+    silent = fork.Process(target=_worker_waiting_in_a_collective, args=(ready, child_ready), name="rank0")
+    silent.start()
+    assert ready.wait(120) and child_ready.wait(120)
+    children = children_of(silent.pid)
+    assert len(children) == 1
+    peer = fork.Process(target=_exit_losing_a_peer, name="rank1")
+    peer.start()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            spawn._watch([silent, peer], roll_call_seconds=0.0, dist_timeout=7.0)
+    finally:
+        silent.kill()
+        silent.join()
+    assert ended.value.code == 4 and silent.exitcode == -9
+    err = capfd.readouterr().err
+    lines = err.splitlines()
+    assert lines[0] == (f"{spawn.program()}: error: worker rank0 stopped answering: its peers gave up on it after "
+                        f"--dist-timeout 7 s; killed it and stopped the other workers of this node")
+    assert lines[1] == (f"{spawn.program()}: the stacks of worker rank0 (pid {silent.pid}) and of its data-loading "
+                        f"workers follow, where each thread waited:")
+    # faulthandler's dumps: the worker in its collective, its data-loading worker in its read.
+    assert "_a_collective_nobody_joins" in err and "_a_batch_that_never_comes" in err
+    deadline = time.monotonic() + 60
+    while stuck_state(children[0]) is None and time.monotonic() < deadline:  # it dies with its parent
+        time.sleep(0.05)
+    assert stuck_state(children[0]) == "exited"
+
+
 def test_a_roll_call_names_the_ranks_that_do_not_answer_and_none_when_the_store_does_not():
     import datetime
 
