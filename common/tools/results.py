@@ -488,7 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 f"**The `{upstream[0].series.split(':')[0]}` rows are not this project's:** they are another "
                 f"project's 2020 run on NVIDIA V100 GPUs, read from its logs in `{portable_path(args.upstream)}` "
                 f"(TensorBoard "
-                f"exports; see the README there). The other rows are this project's runs (## Runs), side by side. "
+                f"exports; see the README there). The other rows are this project's runs (each one under Runs, below), side by side. "
                 f"Hardware differs between the groups: compare within a group. Training time of TensorBoard logs is "
                 f"(last - first end-of-epoch wall time) + one mean epoch, so the first epoch counts; a figure "
                 f"quoted as last - first leaves it out. {grouped}", "",
