@@ -27,15 +27,29 @@ FIGURE_NAME = "scaling_vs_model"
 UPSTREAM_HARDWARE = "NVIDIA V100 GPUs (NCSA HAL, 4 per node), 2020"
 
 
-def read_predictions(path: str, flag: str = "--scaling-model") -> List[dict]:
-    """The rows of a scaling model CSV; a missing or unreadable file is one line naming `flag`."""
+PREDICTION_COLUMNS = {"scenario", "hook", "gpus", "efficiency_percent"}
+
+
+def read_rows(path: str, flag: str) -> List[dict]:
+    """The rows of a CSV; a missing or unreadable file is one line naming `flag`."""
     try:
         with open(path, newline="") as handle:
-            rows = list(csv.DictReader(handle))
+            return list(csv.DictReader(handle))
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"argument {flag}: cannot read {path} ({getattr(error, 'strerror', None) or error})") \
             from None
-    if not rows or not {"scenario", "hook", "gpus", "efficiency_percent"} <= set(rows[0]):
+
+
+def compares_measured(rows: List[dict]) -> bool:
+    """Whether a CSV is the scaling model's with measured efficiencies beside its predictions."""
+    return bool(rows) and PREDICTION_COLUMNS <= set(rows[0]) and any(row.get("measured_efficiency_percent")
+                                                                      for row in rows)
+
+
+def read_predictions(path: str, flag: str = "--scaling-model") -> List[dict]:
+    """The rows of a scaling model CSV; a missing, unreadable or other CSV is one line naming `flag`."""
+    rows = read_rows(path, flag)
+    if not rows or not PREDICTION_COLUMNS <= set(rows[0]):
         raise UsageError(f"argument {flag}: {path} is no CSV of python -m common.tools.scaling (columns scenario, "
                          f"hook, gpus, efficiency_percent)")
     return rows

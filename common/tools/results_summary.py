@@ -112,9 +112,9 @@ def upstream_scaling(upstream: Sequence[plots.Run], scaling_paths: Sequence[str]
     scaling model's predictions of it (the first CSV with measured figures)."""
     measured = plots.summarize(upstream)
     measured = measured[measured["device_kind"] == "gpu"]
-    found = ((path, plots_scaling.read_predictions(path, "--scaling")) for path in scaling_paths)
-    source, predicted = next(((path, rows) for path, rows in found
-                              if any(row.get("measured_efficiency_percent") for row in rows)), (None, None))
+    found = ((path, plots_scaling.read_rows(path, "--scaling")) for path in scaling_paths)
+    source, predicted = next(((path, rows) for path, rows in found if plots_scaling.compares_measured(rows)),
+                             (None, None))
     if measured.empty or predicted is None:
         return []
     scenarios = plots_scaling.compared_rows(predicted)

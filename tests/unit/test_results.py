@@ -373,3 +373,16 @@ def test_the_committed_results_md_is_what_its_command_makes_from_the_committed_r
     """`make figures` was run after the last change to results/ or the generator: same inputs, same bytes."""
     text, _ = summary_of_committed_results(monkeypatch)
     assert text == (REPO / "RESULTS.md").read_text()
+
+
+def test_the_summarys_scaling_comes_from_the_scaling_csv_with_measured_figures_whatever_the_order(runs, tmp_path):
+    scaling = REPO / "results" / "scaling"
+    argv = [str(runs), "--upstream", str(UPSTREAM), "--figures", str(tmp_path), "--scaling"]
+    text = results.main(argv + [str(scaling / "validation-b.csv"), str(scaling / "h100-8x8.csv"),
+                                str(scaling / "upstream-v100-hal.csv")])
+    summary = text[:text.index("## Across runs")]
+    assert summary.count("| predicted: ") == 4 and "| `upstream-v100-hal.csv` |" in summary
+    assert "scaling_vs_model.png" not in summary  # no figure drawn in tmp_path: none linked
+    # Neither Validation B nor the H100 preset holds measured efficiencies: no scaling in the summary.
+    text = results.main(argv + [str(scaling / "validation-b.csv"), str(scaling / "h100-8x8.csv")])
+    assert "### GPU scaling" not in text[:text.index("## Across runs")] and "## Scaling model" in text
