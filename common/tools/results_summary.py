@@ -12,10 +12,13 @@ and the date its file records, read from the files given (no number typed in):
 """
 from __future__ import annotations
 
+import datetime
 import math
+import re
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from common.errors import UsageError
 from common.tools import plots, plots_scaling
 from common.tools.bench import targets
 from common.tools.bench.report import as_number
@@ -24,6 +27,11 @@ SUMMARY_HEADING = "## Summary"
 # The benchmark sections whose rows are training throughput (the others: the input pipeline alone, data
 # scale, communication, storage).
 TRAINING_SECTIONS = ("train", "end-to-end")
+# The first line of a --profile-steps summary.txt (measure.StepProfiler), and what a GPU session's env.txt
+# beside it holds: `date`'s output first, nvidia-smi's table (its GPU rows: "|   0  NVIDIA H200   On  |").
+PROFILE_LINE = re.compile(r"(?P<steps>.+?) profiled: (?P<ms>[\d.]+) ms per step"
+                          r"(?:; the GPU ran no kernel or copy (?P<idle>[\d.]+)% of that time)?")
+SMI_GPU = re.compile(r"^\|\s+\d+\s+(?P<name>NVIDIA .+?)\s+(?:On|Off)\s+\|", re.MULTILINE)
 
 
 def portable_path(value: str) -> str:
@@ -107,6 +115,40 @@ def cpu_ratios(tables: Sequence[Tuple[str, List[dict]]]) -> Optional[str]:
                   "CSV (results/bench)"], rows)
 
 
+def _session(folder: Path) -> Tuple[str, str]:
+    """(GPU, date) from a GPU session's env.txt: `date`, then nvidia-smi; 'not recorded' where it says neither."""
+    try:
+        text = (folder / "env.txt").read_text(errors="replace")
+    except OSError:
+        return "GPU not recorded", "date not recorded"
+    gpu = SMI_GPU.search(text)
+    try:
+        day = datetime.datetime.strptime(text.splitlines()[0].strip(), "%a %b %d %I:%M:%S %p %Z %Y").date().isoformat()
+    except (ValueError, IndexError):
+        day = "date not recorded"
+    return (gpu["name"] if gpu else "GPU not recorded"), day
+
+
+def profiles(paths: Sequence[str]) -> Optional[str]:
+    """One row per --profile-steps summary.txt: its step time and the share the GPU ran nothing, with the
+    GPU and date of the env.txt beside it."""
+    rows = []
+    for path in paths:
+        try:
+            first = Path(path).read_text(errors="replace").splitlines()[:1]
+        except OSError as error:
+            raise UsageError(f"argument --profiles: cannot read {path} ({error.strerror})") from None
+        found = PROFILE_LINE.match(first[0]) if first else None
+        if found is None:
+            raise UsageError(f"argument --profiles: {path} is no summary.txt of --profile-steps (its first line: "
+                             f"'N step(s) profiled: X ms per step...')")
+        gpu, day = _session(Path(path).parent)
+        rows.append([gpu, day, f"`{Path(path).parent.name}/{Path(path).name}`", found["steps"], found["ms"],
+                     f"{found['idle']}%" if found["idle"] else "—"])
+    return table(["GPU", "date", "profile", "steps", "ms per step (profiled)", "GPU idle (no kernel or copy)"],
+                 rows) if rows else None
+
+
 def upstream_scaling(upstream: Sequence[plots.Run], scaling_paths: Sequence[str], figures: Path) -> List[str]:
     """The upstream's measured scaling efficiency (from its logs) beside the
     scaling model's predictions of it (the first CSV with measured figures)."""
@@ -141,7 +183,7 @@ def upstream_scaling(upstream: Sequence[plots.Run], scaling_paths: Sequence[str]
 
 
 def summary(bench: Sequence[Tuple[str, List[dict]]], upstream: Sequence[plots.Run], scaling_paths: Sequence[str],
-            figures: Path) -> str:
+            figures: Path, profile_paths: Sequence[str] = ()) -> str:
     """The summary RESULTS.md opens with; the recipes table (results.recipes_section) follows it."""
     parts = [SUMMARY_HEADING, "",
              "What this project measured, each figure with the hardware and the date its file records; the runs' "
@@ -152,6 +194,10 @@ def summary(bench: Sequence[Tuple[str, List[dict]]], upstream: Sequence[plots.Ru
                   "Global training images/s of one GPU, warm-up steps left out, each configuration in a fresh "
                   "process (`python -m common.tools.bench --device cuda`); `synthetic`: data made on the device.", "",
                   gpu]
+    profiled = profiles(profile_paths)
+    if profiled:
+        parts += ["", "Where a step's time goes, from `--profile-steps` (the run's `summary.txt`, the GPU and date from "
+                  "the `env.txt` of its session):", "", profiled]
     if cpu:
         parts += ["", "### CPU: ratios against the plain PyTorch reference", "",
                   "Each configuration's images/s over the plain PyTorch loop (train) or input pipeline (input, per "

@@ -291,7 +291,7 @@ def test_results_md_opens_with_a_summary_of_the_gpu_figures_each_with_its_gpu_an
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings[0] == "## Summary" and text.splitlines()[4] == "## Summary"  # after the title and its command
     assert text.index("## Summary") < text.index("## Runs\n") < text.index("## Benchmarks\n")
-    gpu = summary[summary.index("### GPU training throughput"):summary.index("### CPU: ratios")]
+    gpu = summary[summary.index("### GPU training throughput"):summary.index("Where a step's time goes")]
     expected = 0
     for path in sorted((REPO / "results" / "bench").glob("gpu_*.csv")):
         for row in read_csv_rows(path):
@@ -386,3 +386,23 @@ def test_the_summarys_scaling_comes_from_the_scaling_csv_with_measured_figures_w
     # Neither Validation B nor the H100 preset holds measured efficiencies: no scaling in the summary.
     text = results.main(argv + [str(scaling / "validation-b.csv"), str(scaling / "h100-8x8.csv")])
     assert "### GPU scaling" not in text[:text.index("## Across runs")] and "## Scaling model" in text
+
+
+def test_the_summary_shows_a_gpu_sessions_profile_with_the_gpu_and_date_of_its_env_txt(runs, tmp_path):
+    session = REPO / "results" / "gpu-h200-2026-11-26"
+    profile = session / "profile-resnet50-O2-b256-summary.txt"
+    first = profile.read_text().splitlines()[0]
+    milliseconds, idle = re.match(r"10 step\(s\) profiled: ([\d.]+) ms per step; the GPU ran no kernel or copy "
+                                  r"([\d.]+)% of that time", first).groups()
+    text = results.main([str(runs), "--figures", str(tmp_path), "--profiles", str(profile)])
+    summary = text[:text.index("## Across runs")]
+    assert (f"| NVIDIA H200 | 2026-11-26 | `gpu-h200-2026-11-26/{profile.name}` | 10 step(s) | {milliseconds} | "
+            f"{idle}% |") in summary.splitlines()
+    # Without an env.txt beside it, the row says so; a file of another kind is one line naming the flag.
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "alone" / "summary.txt").write_text("3 step(s) profiled: 12.5 ms per step\n")
+    text = results.main([str(runs), "--figures", str(tmp_path), "--profiles", str(tmp_path / "alone" / "summary.txt")])
+    assert "| GPU not recorded | date not recorded | `alone/summary.txt` | 3 step(s) | 12.5 | — |" in text
+    with pytest.raises(results.UsageError, match=r"^argument --profiles: .*env.txt is no summary.txt of "
+                                                 r"--profile-steps"):
+        results.main([str(runs), "--profiles", str(session / "env.txt")])
