@@ -30,6 +30,10 @@ RECIPE_RUNS ?= $(wildcard results/recipe-runs)
 BENCH ?= $(wildcard results/bench/*.csv)
 # The scaling model's predictions and validations (python -m common.tools.scaling, common.tools.link_validation).
 SCALING ?= $(wildcard results/scaling/*.csv)
+# The scaling model's prediction of the upstream's runs, drawn beside their measured scaling (RESULTS.md's summary).
+SCALING_MODEL ?= $(wildcard results/scaling/upstream-v100-hal.csv)
+# GPU sessions' --profile-steps summaries (an env.txt beside each names the GPU and the date).
+PROFILES ?= $(wildcard results/gpu-*/profile-*-summary.txt)
 
 .PHONY: demo test test-all bench figures venv clean
 
@@ -60,8 +64,8 @@ bench: $(INSTALLED)
 
 figures: $(INSTALLED)
 	$(PY) -m common.tools.plots $(RUNS) --out figures
-	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream
-	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) --recipes common/recipes $(if $(RECIPE_RUNS),--recipe-runs $(RECIPE_RUNS)) $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) > RESULTS.md.tmp
+	$(PY) -m common.tools.plots $(UPSTREAM) --out figures/upstream $(if $(SCALING_MODEL),--scaling-model $(SCALING_MODEL))
+	$(PY) -m common.tools.results $(RUNS) --upstream $(UPSTREAM) --figures figures $(NOTES) --recipes common/recipes $(if $(RECIPE_RUNS),--recipe-runs $(RECIPE_RUNS)) $(if $(BENCH),--bench $(BENCH)) $(if $(SCALING),--scaling $(SCALING)) $(if $(PROFILES),--profiles $(PROFILES)) > RESULTS.md.tmp
 	mv RESULTS.md.tmp RESULTS.md
 
 clean:

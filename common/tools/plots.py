@@ -35,6 +35,8 @@ import matplotlib.ticker  # noqa: E402
 from common.arguments import Parser  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
 from common.files import read_whole_rows  # noqa: E402
+from common.tools import plots_scaling  # noqa: E402
+from common.tools.plots_io import IO_COLUMNS, IOTrace, io_figure  # noqa: E402,F401  (plots.IOTrace)
 
 # metrics.csv columns in order; older run directories lack those after skipped_steps (read as NaN).
 METRIC_COLUMNS = ["epoch", "split", "loss", "top1", "top5", "images", "steps", "seconds", "images_per_second",
@@ -48,7 +50,6 @@ TAG_COLUMNS = {"Top1/train": "train_top1", "Top1/val": "val_top1", "Top5/train":
                "Data/wait_fraction": "data_wait_fraction"}
 EPOCH_COLUMNS = ["train_loss", "train_top1", "train_top5", "val_loss", "val_top1", "val_top5", "images_per_second",
                  "seconds_per_step", "data_wait_fraction", "lr", "train_start", "end_time"]
-IO_COLUMNS = ["read_bytes_per_second", "write_bytes_per_second", "read_ops_per_second", "write_ops_per_second"]
 TB_CSV = re.compile(r"run-(?P<run>.+)-tag-(?P<tag>.+)\.csv$")
 MONITOR_CSV = re.compile(r"(?P<kind>bandwidth|iops)_(?P<key>.+)\.csv$")
 REPLICAS_IN_NAME = re.compile(r"(?:^|_)(?P<kind>gpu|cpu)x(?P<count>\d+)(?:_|$)")
@@ -71,15 +72,6 @@ class Run:
     epochs: pd.DataFrame  # one row per epoch (0-based index), EPOCH_COLUMNS; NaN where the log lacks one
     config: Optional[dict] = None  # config.json of this project's runs
     resumes: List[dict] = field(default_factory=list)  # resumes.jsonl records
-
-
-@dataclass
-class IOTrace:
-    """Storage traffic over time; NaN where a counter is missing (never 0)."""
-
-    label: str
-    start: str  # first sample's time, for the reader
-    frame: pd.DataFrame  # elapsed_seconds + IO_COLUMNS
 
 
 @dataclass
@@ -383,6 +375,23 @@ def count_label(count: int, device_kind: str) -> str:
     return f"{count} GPU{'s' if count != 1 else ''}"
 
 
+# Launchers that start every process on the machine they run on.
+ONE_MACHINE_LAUNCHERS = ("single process", "spawn")
+
+
+def shared_cores(runs: Sequence[Run]) -> str:
+    """What the CPU series of a figure measured, for its title: '' without one;
+    processes that one machine's cores run share them, so more of them is no
+    scaling ('CPU processes sharing one machine's 2 cores, not scaling')."""
+    environments = [(run.config or {}).get("environment") or {} for run in runs if run.device_kind == "cpu"]
+    if not environments:
+        return ""
+    if not all(environment.get("launcher") in ONE_MACHINE_LAUNCHERS for environment in environments):
+        return "CPU processes, not GPUs"
+    cores = sorted({str(environment.get("cpu_count")) for environment in environments if environment.get("cpu_count")})
+    return f"CPU processes sharing one machine's {'/'.join(cores) + ' ' if cores else ''}cores, not scaling"
+
+
 def run_labels(runs: Sequence[Run]) -> List[str]:
     """Legend labels: the GPU count, the series when several are shown, a
     number when one series has several runs of a count."""
@@ -458,8 +467,10 @@ def throughput_figure(table: pd.DataFrame, runs: Sequence[Run]):
         ax.plot(rows["gpus"], first["images_per_second"] * rows["gpus"] / first["gpus"], "--", color=colour,
                 alpha=0.5, label=f"{series}: ideal linear from {count_label(first['gpus'], first['device_kind'])}")
 
+    shared = shared_cores(runs)
     return _count_figure(table, runs, "images_per_second", draw, log_y=True, legend_loc="upper left",
-                         ylabel="training throughput (images/s, global)", title="Mean training throughput per epoch")
+                         ylabel="training throughput (images/s, global)",
+                         title="Mean training throughput per epoch" + (f"\n({shared})" if shared else ""))
 
 
 def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
@@ -473,10 +484,16 @@ def efficiency_figure(table: pd.DataFrame, runs: Sequence[Run]):
             ax.annotate(f"{percent:.0f}%", (gpus, percent), textcoords="offset points", xytext=(0, 6),
                         ha="center", fontsize=8)
 
+    shared, only_cpu = shared_cores(runs), set(table["device_kind"]) == {"cpu"}
+    title = ("Per-process images/s relative to the smallest count:\n" + shared if only_cpu else
+             "Scaling efficiency: per-GPU images/s relative to the smallest count" + (
+                 f"\n(the CPU series: {shared})" if shared else ""))
     return _count_figure(table, runs, "scaling_efficiency_percent", draw, log_y=False, legend_loc="lower left",
-                         reference_line=(100, "100% (linear scaling)"), ylabel="scaling efficiency (%)",
-                         ylim=(0, max(115, table["scaling_efficiency_percent"].max() + 15)),
-                         title="Scaling efficiency: per-GPU images/s relative to the smallest count")
+                         reference_line=(100, "100% (each process as fast as one alone)" if only_cpu
+                                         else "100% (linear scaling)"), title=title,
+                         ylabel="per-process images/s relative to the smallest count (%)" if only_cpu
+                         else "scaling efficiency (%)",
+                         ylim=(0, max(115, table["scaling_efficiency_percent"].max() + 15)))
 
 
 def training_time_figure(table: pd.DataFrame, runs: Sequence[Run]):
@@ -491,39 +508,6 @@ def training_time_figure(table: pd.DataFrame, runs: Sequence[Run]):
 
     return _count_figure(table, runs, "training_seconds", draw, log_y=True, ymargin=0.15,  # room for the annotations
                          ylabel="training time (h)", title="Training time (train + validation, from logged wall times)")
-
-
-def io_figure(traces: Sequence[IOTrace]):
-    """Read/write MB/s (left axis) and IOPS (right axis) vs time, one panel per
-    trace. A trace without counters says so instead of showing zeros."""
-    if not traces or all(trace.frame[IO_COLUMNS].isna().all().all() for trace in traces):
-        return None
-    fig, axes = plt.subplots(len(traces), 1, figsize=(9, 3.6 * len(traces)), squeeze=False)
-    for ax, trace in zip(axes[:, 0], traces):
-        frame, minutes = trace.frame, trace.frame["elapsed_seconds"] / 60
-        ax.set(xlabel=f"time since {trace.start} (min)", ylabel="read/write (MB/s)", title=trace.label)
-        ax.grid(alpha=0.3)
-        if frame[IO_COLUMNS].isna().all().all():
-            ax.text(0.5, 0.5, "no block-device counters\n(e.g. the dataset is on a network file system)",
-                    transform=ax.transAxes, ha="center", va="center")
-            continue
-        lines, right, missing = [], None, []
-        for column, style in zip(IO_COLUMNS, ("C0.-", "C1.-", "C2.--", "C3.--")):
-            ops = "ops" in column
-            label = column.split("_")[0] + (" IOPS" if ops else " MB/s")
-            if frame[column].isna().all():
-                missing.append(label)
-                continue
-            if ops and right is None:
-                right = ax.twinx()  # its x-axis is hidden; the label keeps every axes self-describing
-                right.set(xlabel=ax.get_xlabel(), ylabel="IOPS (operations/s)")
-            lines += (right if ops else ax).plot(minutes, frame[column] / (1 if ops else 1e6), style,
-                                                 markersize=3, label=label)
-        if missing:  # said, not drawn as zeros
-            ax.text(0.01, 0.97, "no counter: " + ", ".join(missing), transform=ax.transAxes, va="top", fontsize=8)
-        ax.legend(handles=lines, fontsize=8, loc="upper right")
-    fig.tight_layout()
-    return fig
 
 
 def data_wait_figure(runs: Sequence[Run]):
@@ -541,8 +525,10 @@ def data_wait_figure(runs: Sequence[Run]):
     return _finish(fig, ax, [run for run, _ in shown])
 
 
-def make_figures(logs: Logs, smooth: float = 0.0) -> dict:
-    """Every figure by name: a matplotlib Figure, or (a str) why there is none."""
+def make_figures(logs: Logs, smooth: float = 0.0, predictions: Optional[Tuple[str, List[dict]]] = None) -> dict:
+    """Every figure by name: a matplotlib Figure, or (a str) why there is none;
+    with `predictions` (a scaling model CSV's name and rows), the measured GPU
+    scaling beside them (plots_scaling)."""
     table = summarize(logs.runs)
     figures = {name: accuracy_figure(logs.runs, column, ylabel, smooth)
                for name, (column, ylabel) in ACCURACY_FIGURES.items()}
@@ -550,10 +536,13 @@ def make_figures(logs: Logs, smooth: float = 0.0) -> dict:
                    scaling_efficiency=efficiency_figure(table, logs.runs),
                    training_time=training_time_figure(table, logs.runs), IO=io_figure(logs.io),
                    data_wait=data_wait_figure(logs.runs))
+    if predictions is not None:
+        figures[plots_scaling.FIGURE_NAME] = plots_scaling.model_comparison_figure(table, predictions[1], predictions[0])
     reasons = {"IO": "no I/O samples (io.csv rows, storage-monitor CSVs)" if not logs.io
                else "no block-device counters in any I/O log",
                "data_wait": "no input has a data-wait share (metrics.csv data_wait_fraction, Data/wait_fraction)",
-               "training_time": "no run has two epochs' wall times"}
+               "training_time": "no run has two epochs' wall times",
+               plots_scaling.FIGURE_NAME: "no GPU runs of two counts or more to compare with the scaling model"}
     return {name: figure if figure is not None else reasons.get(name, "no run has these values")
             for name, figure in figures.items()}
 
@@ -565,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="figures", metavar="DIR", help="where the PNG and PDF files go")
     parser.add_argument("--smooth", type=float, default=0.0, metavar="ALPHA",
                         help="EMA smoothing of the accuracy curves, 0 (none) to below 1")
+    parser.add_argument("--scaling-model", metavar="CSV", help="a CSV of python -m common.tools.scaling: the GPU "
+                        f"runs' scaling efficiency beside its predictions ({plots_scaling.FIGURE_NAME}.png)")
     return parser
 
 
@@ -572,7 +563,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Path]:
     args = build_parser().parse_args(argv)
     if not 0 <= args.smooth < 1:
         raise UsageError(f"argument --smooth: expected a number in [0, 1), got {args.smooth:g}")
-    figures = make_figures(load(args.paths), args.smooth)
+    predictions = None if args.scaling_model is None else (
+        args.scaling_model, plots_scaling.read_predictions(args.scaling_model))
+    figures = make_figures(load(args.paths), args.smooth, predictions)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     written = []

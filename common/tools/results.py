@@ -22,9 +22,10 @@ from typing import List, Optional, Sequence
 from common import provenance, recipes
 from common.arguments import Parser
 from common.errors import UsageError, error_summary, run_main, without_credentials
-from common.tools import plots
+from common.tools import plots, results_summary
 from common.tools.bench import flops, report, targets
 from common.tools.bench.report import as_number
+from common.tools.results_summary import folded, number, portable_path, table
 
 FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficiency", "training_time", "IO",
                 "data_wait"]
@@ -34,16 +35,6 @@ FIGURE_NAMES = [*plots.ACCURACY_FIGURES, "training_throughput", "scaling_efficie
 _PYTHON = re.compile(r"python[0-9.]*")
 # What a shell reads as one word without quotes (shlex.quote's set), and the ellipsis of an elided path.
 _PLAIN_WORD = re.compile(r"[\w@%+=:,./…-]+")
-
-
-def portable_path(value: str) -> str:
-    """An absolute path as '…/<its last part>': where a run's files lay on its
-    machine (/tmp/job123/runs, /home/someone/imagenet) tells a reader nothing
-    and would publish machine paths; relative paths stay as typed."""
-    if not isinstance(value, str) or not value.startswith("/"):
-        return value
-    name = Path(value).name
-    return f"…/{name}" if name else "…"
 
 
 def portable_command(command: str) -> str:
@@ -69,13 +60,6 @@ def portable_command(command: str) -> str:
     return " ".join(shown)
 
 
-def number(value, digits: int = 2) -> str:
-    """A table cell: fixed decimals, thousands separators, a dash for missing."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def duration(seconds: float) -> str:
     """'5 h 48 min 25 s (20,904.5 s)'."""
     if seconds is None or math.isnan(seconds):
@@ -84,12 +68,6 @@ def duration(seconds: float) -> str:
     hours, minutes, rest = whole // 3600, whole // 60 % 60, whole % 60
     text = (f"{hours} h " if hours else "") + (f"{minutes} min " if hours or minutes else "") + f"{rest} s"
     return f"{text} ({seconds:,.1f} s)"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    cells = [[str(cell).replace("|", "\\|") for cell in row] for row in rows]  # a | would end the cell
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
 def per_gpu_word(run: plots.Run) -> str:
@@ -114,7 +92,7 @@ def run_section(run: plots.Run) -> str:
     # An older run's config.json may hold what the command line refuses now: a password in a URL.
     command = (f"`{without_credentials(portable_command(config['command']))}`" if config.get("command")
                else "not recorded (no config.json)")
-    lines = [f"## `{run.name}`", "",
+    lines = [f"### `{run.name}`", "",
              f"- **Command:** {command}",
              f"- **Started:** {config.get('started', '—')} at epoch {config.get('start_epoch', '—')}"]
     for resume in run.resumes:
@@ -206,14 +184,7 @@ def bench_section(paths: Sequence[str]) -> str:
     machine and versions it ran on and the ratios of its targets. The columns
     that the harness has written since issue 19 (repeats and spread, MFU, the
     GPU's clock, power and temperature) are shown for the CSVs that have them."""
-    tables = []
-    for path in paths:
-        try:
-            rows = report.read_csv(path)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
-        if rows:
-            tables.append((path, rows))
+    tables = read_bench(paths)
     parts = ["## Benchmarks", "",
              "Measured by `python -m common.tools.bench` (`make bench`): every configuration in a fresh process, warm-up "
              "steps left out, all of one table in one run of the harness on one machine, so ratios within a table "
@@ -231,19 +202,33 @@ def bench_section(paths: Sequence[str]) -> str:
         comm = [row for row in rows if row["section"] == "comm"]
         split = [row for row in rows if row["section"] == "scaling"]
         storage = [row for row in rows if row["section"] == "storage"]
-        parts += ["", f"### {first['device_name']}, {first['date']} (`{portable_path(Path(path).as_posix())}`)", "",
-                  f"torch {first['torch']}, torchvision {first['torchvision']}"
-                  f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
-                  f"host `{first['host']}`; {_half_support(first)}"
-                  + (f"; {provenance.describe(first)}" if first.get("git_commit") else "") + ".", ""]
+        body = [f"torch {first['torch']}, torchvision {first['torchvision']}"
+                f"{', CUDA ' + str(first['cuda']) if first['cuda'] else ''}, {first['cpu_threads']} CPU threads, "
+                f"host `{first['host']}`; {_half_support(first)}"
+                + (f"; {provenance.describe(first)}" if first.get("git_commit") else "") + ".", ""]
         if speed:
             columns = _bench_columns(speed)
-            parts += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
-                      ""]
-        parts += _section_tables(scale, comm, split, storage)
-        parts += [f"- {line}" for line in _bench_notes(speed) + targets.ratios(speed)
-                  + targets.data_scale_lines(scale) + targets.comm_lines(comm) + targets.storage_lines(storage)]
+            body += [table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in speed]),
+                     ""]
+        body += _section_tables(scale, comm, split, storage)
+        body += [f"- {line}" for line in _bench_notes(speed) + targets.ratios(speed)
+                 + targets.data_scale_lines(scale) + targets.comm_lines(comm) + targets.storage_lines(storage)]
+        parts += ["", folded(f"{first['device_name']}, {first['date']} "
+                             f"(<code>{portable_path(Path(path).as_posix())}</code>)", "\n".join(body))]
     return "\n".join(parts)
+
+
+def read_bench(paths: Sequence[str]) -> List[tuple]:
+    """(path, rows) of each benchmark CSV that has rows; an unreadable one is one line naming --bench."""
+    tables = []
+    for path in paths:
+        try:
+            rows = report.read_csv(path)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"argument --bench: cannot read {path} ({error_summary(error)})") from None
+        if rows:
+            tables.append((path, rows))
+    return tables
 
 
 def _section_tables(scale: List[dict], comm: List[dict], split: List[dict], storage: List[dict]) -> List[str]:
@@ -373,13 +358,13 @@ def recipes_section(folder: str, runs: Sequence[plots.Run]) -> str:
                              versions or "—", len(run.epochs), f"{number(top1)}% (epoch {last_epoch})"
                              if last_epoch is not None else "—", number(plots.training_seconds(run), 1)])
     return "\n".join([
-        "## Recipes", "",
+        "### Recipes", "",
         f"**Published by their sources, not measured by this project:** each recipe's ImageNet top-1 as its source "
         f"states it, with the source's hardware and wall time (read from `{portable_path(folder)}/*.toml`; "
         f"`--recipe NAME` sets a recipe's flags, docs/recipes.md).", "",
         table(["recipe", "model", "published top-1 (the source's)", "epochs", "hardware (the source's)",
                "wall time (the source's)", "source"], published), "",
-        "### Runs of a recipe measured by this project", "",
+        "#### Runs of a recipe measured by this project", "",
         table(["run", "recipe", "scale", "hardware and versions", "epochs", "last val top-1", "training time (s)"],
               measured) if measured
         else "None among the runs above."])
@@ -465,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling", nargs="+", metavar="CSV", default=None,
                         help="CSV files of python -m common.tools.scaling and common.tools.link_validation: the "
                              "scaling model's section, one table per file")
+    parser.add_argument("--profiles", nargs="+", metavar="FILE", default=None,
+                        help="summary.txt files of --profile-steps, an env.txt (date, then nvidia-smi) beside each: "
+                             "their step times in the summary, with the GPU and the date")
     parser.add_argument("--recipe-runs", nargs="+", metavar="RUN_DIR", default=None,
                         help="run directories (or folders of them) of recipes measured here on other data than the "
                              "runs above (the demo's digits): listed only in the recipes section, apart from the "
@@ -487,10 +475,16 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     out = ["# Results", "",
            f"Generated by `{generated_by}` from the runs' own logs (config.json, "
            f"metrics.csv): every number below is read from them or derived by `common/tools/plots.py`. Regenerate, "
-           f"do not edit. Epochs count from 0. Throughput is global training images/s, averaged over epochs.",
-           "", "\n\n".join(run_section(run) for run in runs), "", "## Across runs", "", across_runs(runs)]
+           f"do not edit. Epochs count from 0. Throughput is global training images/s, averaged over epochs.", "",
+           results_summary.summary(read_bench(args.bench or ()), upstream, args.scaling or (), Path(args.figures),
+                                   args.profiles or ())]
+    if args.recipes:
+        recipe_runs = [run for path in (args.recipe_runs or ()) for run in load_runs(path)]
+        out += ["", recipes_section(args.recipes, [*runs, *recipe_runs])]
+    out += ["", "## Across runs", "", across_runs(runs)]
     grouped = ("Grouped by hardware and GPU count: runs of the same count are averaged; scaling efficiency is "
-               "per-GPU throughput relative to the smallest count of the same hardware.")
+               "per-GPU throughput relative to the smallest count of the same hardware (CPU processes that share "
+               "one machine's cores are no scaling: the figures' titles say so).")
     if not upstream:
         out += ["", grouped, "", summary_table(plots.summarize(runs))]
     if upstream:
@@ -498,30 +492,19 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 f"**The `{upstream[0].series.split(':')[0]}` rows are not this project's:** they are another "
                 f"project's 2020 run on NVIDIA V100 GPUs, read from its logs in `{portable_path(args.upstream)}` "
                 f"(TensorBoard "
-                f"exports; see the README there). The other rows are this project's runs above, side by side. "
+                f"exports; see the README there). The other rows are this project's runs (each one under Runs, below), side by side. "
                 f"Hardware differs between the groups: compare within a group. Training time of TensorBoard logs is "
                 f"(last - first end-of-epoch wall time) + one mean epoch, so the first epoch counts; a figure "
                 f"quoted as last - first leaves it out. {grouped}", "",
                 summary_table(plots.summarize([*upstream, *runs]))]
-    if args.recipes:
-        recipe_runs = [run for path in (args.recipe_runs or ()) for run in load_runs(path)]
-        out += ["", recipes_section(args.recipes, [*runs, *recipe_runs])]
-    # This project's figures, and beside them the upstream logs' (python -m common.tools.plots UPSTREAM --out FIGURES/upstream).
-    folders = {"this project": Path(args.figures), "upstream": Path(args.figures, "upstream")}
-    if not upstream:
-        del folders["upstream"]
-    cells = {(name, who): f"![{who} {name}]({(folder / (name + '.png')).as_posix()})"
-             for name in FIGURE_NAMES for who, folder in folders.items() if (folder / (name + ".png")).is_file()}
-    shown = [name for name in FIGURE_NAMES if any((name, who) in cells for who in folders)]
-    if shown:
-        out += ["", "## Figures", "", "Drawn by `python -m common.tools.plots` into " +
-                " and ".join(f"`{folder.as_posix()}/` ({who})" for who, folder in folders.items()) + ".", "",
-                table(["figure", *folders], [[name, *(cells.get((name, who), "—") for who in folders)]
-                                             for name in shown])]
-    if args.bench:
-        out += ["", bench_section(args.bench)]
+    out += figures_section(Path(args.figures), bool(upstream))
     if args.scaling:
         out += ["", scaling_section(args.scaling, Path(args.figures))]
+    out += ["", "## Runs", "", "Each run's command, hardware, options and epochs, read from its run directory.", "",
+            "\n\n".join(folded(f"<code>{run.name}</code>: {plots.count_label(run.replicas, run.device_kind)}, "
+                                f"{len(run.epochs)} epoch(s)", run_section(run)) for run in runs)]
+    if args.bench:
+        out += ["", bench_section(args.bench)]
     if args.notes:
         try:
             out += ["", "## Notes", "", Path(args.notes).read_text().strip()]
@@ -530,6 +513,23 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     text = "\n".join(out) + "\n"
     sys.stdout.write(text)
     return text
+
+
+def figures_section(figures: Path, with_upstream: bool) -> List[str]:
+    """The figures that exist, this project's and beside them the upstream logs'
+    (python -m common.tools.plots UPSTREAM --out FIGURES/upstream)."""
+    folders = {"this project": figures, "upstream": figures / "upstream"}
+    if not with_upstream:
+        del folders["upstream"]
+    cells = {(name, who): f"![{who} {name}]({(folder / (name + '.png')).as_posix()})"
+             for name in FIGURE_NAMES for who, folder in folders.items() if (folder / (name + ".png")).is_file()}
+    shown = [name for name in FIGURE_NAMES if any((name, who) in cells for who in folders)]
+    if not shown:
+        return []
+    return ["", "## Figures", "", "Drawn by `python -m common.tools.plots` into " +
+            " and ".join(f"`{folder.as_posix()}/` ({who})" for who, folder in folders.items()) + ".", "",
+            table(["figure", *folders], [[name, *(cells.get((name, who), "—") for who in folders)]
+                                         for name in shown])]
 
 
 if __name__ == "__main__":

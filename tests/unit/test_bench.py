@@ -816,7 +816,7 @@ def test_results_show_the_storage_rows_with_their_machine_and_targets(tmp_path):
     path = tmp_path / "storage.csv"
     report.write_csv(storage_rows(2000.0, 4500.0), path)
     text = results.bench_section([str(path)])
-    assert "### Intel Xeon (2 cores), 2026-11-27" in text and "capability AVX512: bf16 native" in text
+    assert "<details><summary>Intel Xeon (2 cores), 2026-11-27 (<code>" in text and "capability AVX512: bf16 native" in text
     assert ("| storage | configuration | workers | images/s | spread (repeats) | MB/s | files opened/s | "
             "from the source (MB) | from the cache (MB) |") in text
     assert "| local disk | folder tree | 2 | 5,000.0 | 4.0% (3) | 550.0 | 5,000 | 50.0 | 0.0 |" in text

@@ -264,3 +264,65 @@ def test_rows_with_too_many_or_too_few_fields_or_no_number_are_named_and_the_res
     assert run.epochs.loc[0, "train_top1"] == 25.0 and math.isnan(run.epochs.loc[2, "train_top1"])
     assert capsys.readouterr().err == (f"warning: {run_dir / 'metrics.csv'}: 3 row(s) not whole (cut short by a crash, "
                                        f"or damaged), not read: line(s) 4, 5, 6; read the 3 whole row(s)\n")
+
+
+# --- issue 40: CPU processes on one machine are no scaling; the upstream's scaling beside the model's ---
+
+def test_a_figure_of_cpu_processes_sharing_one_machines_cores_says_so_and_not_scaling(tmp_path):
+    """1, 2 and 4 CPU processes started by one launcher share one machine's cores:
+    the figures' titles say so, and the per-process figure is not titled as scaling."""
+    made = make_runs(tmp_path / "runs")
+    for run_dir in [made["two"], *made["four"]]:
+        config = json.loads((run_dir / "config.json").read_text())
+        config["environment"]["cpu_count"] = 2
+        (run_dir / "config.json").write_text(json.dumps(config))
+    figures = plots.make_figures(plots.load([tmp_path / "runs"]))
+    shared = "CPU processes sharing one machine's 2 cores, not scaling"
+    efficiency = figures["scaling_efficiency"].axes[0]
+    assert efficiency.get_title() == "Per-process images/s relative to the smallest count:\n" + shared
+    assert efficiency.get_ylabel() == "per-process images/s relative to the smallest count (%)"
+    assert "scaling" not in efficiency.get_ylabel().lower()
+    assert figures["training_throughput"].axes[0].get_title() == f"Mean training throughput per epoch\n({shared})"
+    # Beside GPU runs (the upstream's), the GPU series keep their scaling title; the CPU series are named.
+    both = plots.make_figures(plots.load([UPSTREAM, tmp_path / "runs"]))["scaling_efficiency"].axes[0]
+    assert both.get_title() == ("Scaling efficiency: per-GPU images/s relative to the smallest count\n"
+                                f"(the CPU series: {shared})")
+    # GPU runs alone: the title it always had.
+    alone = plots.make_figures(plots.load([UPSTREAM]))["scaling_efficiency"].axes[0]
+    assert alone.get_title() == "Scaling efficiency: per-GPU images/s relative to the smallest count"
+    plots.plt.close("all")
+
+
+def test_the_upstreams_scaling_from_its_logs_is_drawn_beside_the_scaling_models_prediction(tmp_path, capsys):
+    import csv
+
+    model_csv = REPO / "results" / "scaling" / "upstream-v100-hal.csv"
+    written = plots.main([str(UPSTREAM), "--out", str(tmp_path), "--scaling-model", str(model_csv)])
+    assert tmp_path / "scaling_vs_model.png" in written and tmp_path / "scaling_vs_model.pdf" in written
+    predictions = ("results/scaling/upstream-v100-hal.csv", list(csv.DictReader(model_csv.open())))
+    figure = plots.make_figures(plots.load([UPSTREAM]), predictions=predictions)["scaling_vs_model"]
+    assert_labelled(figure)
+    ax = figure.axes[0]
+    assert "NVIDIA V100" in ax.get_title() and "fp16 gradients" in ax.get_title()
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    # Measured: the upstream's throughput logs, per GPU, over the 2-GPU run's (the acceptance figures above).
+    measured = lines["measured: upstream: resnet50 optO2 (its logs)"]
+    per_gpu = {gpus: speed / gpus for gpus, speed in UPSTREAM_IMAGES_PER_SECOND.items()}
+    assert list(measured.get_xdata()) == [2, 4, 8, 16, 32, 64]
+    assert list(measured.get_ydata()) == pytest.approx([100 * per_gpu[gpus] / per_gpu[2] for gpus in per_gpu],
+                                                       abs=0.6)
+    # Predicted: each scenario of the CSV for the hook it compared with measured figures, as the CSV says.
+    fp16 = [row for row in predictions[1] if row["hook"] == "fp16"]
+    scenarios = sorted({row["scenario"] for row in fp16})
+    drawn = sorted(label for label in lines if label.startswith("predicted: "))
+    assert len(drawn) == len(scenarios) == 4
+    first = lines[f"predicted: {fp16[0]['scenario']}"]
+    assert list(first.get_ydata()) == [float(row["efficiency_percent"]) for row in fp16
+                                       if row["scenario"] == fp16[0]["scenario"]]
+    (tmp_path / "bad.csv").write_text("gpus,speed\n2,1\n")
+    with pytest.raises(plots.UsageError, match=r"^argument --scaling-model: .*bad.csv is no CSV of python -m "
+                                               r"common.tools.scaling"):
+        plots.main([str(UPSTREAM), "--out", str(tmp_path), "--scaling-model", str(tmp_path / "bad.csv")])
+    with pytest.raises(plots.UsageError, match=r"^argument --scaling-model: cannot read .*missing.csv"):
+        plots.main([str(UPSTREAM), "--out", str(tmp_path), "--scaling-model", str(tmp_path / "missing.csv")])
+    plots.plt.close("all")

@@ -39,21 +39,31 @@ MIB = 2 ** 20
 IMAGENET_TRAIN = 1_281_000  # the data-scale targets' tree: 1,000 classes x 1,281
 
 
+def measured_row(rows: List[dict], section: str, config: str, backend: Optional[str] = None) -> Optional[dict]:
+    """The last row of a configuration (with that data backend) that has a figure."""
+    return next((row for row in reversed(rows) if row["section"] == section and row["config"] == config
+                 and backend in (None, row.get("data_backend")) and as_number(row["images_per_second"]) is not None),
+                None)
+
+
+def compared_figure(rows: List[dict], section: str, config: str) -> Optional[float]:
+    """The figure of a configuration a target compares: its images/s; in the
+    input section, its best per-worker figure over the worker counts tried."""
+    if section == "input":
+        return max((as_number(row["images_per_second_per_worker"]) for row in rows if row["section"] == "input"
+                    and row["config"] == config and as_number(row["images_per_second_per_worker"]) is not None),
+                   default=None)
+    row = measured_row(rows, section, config)
+    return None if row is None else float(row["images_per_second"])
+
+
 def ratios(rows: List[dict]) -> List[str]:
     """The comparisons the README's targets are stated in, one line each."""
     def find(section, config, backend=None):
-        """The last row of a configuration (with that data backend) that has a figure."""
-        return next((row for row in reversed(rows) if row["section"] == section and row["config"] == config
-                     and backend in (None, row.get("data_backend")) and as_number(row["images_per_second"]) is not None),
-                    None)
+        return measured_row(rows, section, config, backend)
 
     def value(section, config):
-        if section == "input":  # each pipeline's best per-worker figure over the worker counts tried
-            return max((as_number(row["images_per_second_per_worker"]) for row in rows if row["section"] == "input"
-                        and row["config"] == config and as_number(row["images_per_second_per_worker"]) is not None),
-                       default=None)
-        row = find(section, config)
-        return None if row is None else float(row["images_per_second"])
+        return compared_figure(rows, section, config)
 
     def skipped(section, config):
         return next((row["note"] for row in rows if row["section"] == section and row["config"] == config
