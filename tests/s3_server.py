@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from common.ports import free_port
 BUCKET = "imagenet"
 REGION = "us-east-1"
 START_DEADLINE_S = 60.0  # moto imports Flask and its backends: 2 s here, much more on a loaded machine
+START_ATTEMPTS = 3
 
 # The credentials every test client and training process uses: boto3's own variables, nothing from the
 # user's ~/.aws (AWS_CONFIG_FILE and AWS_SHARED_CREDENTIALS_FILE point at files that are not there).
@@ -59,20 +59,29 @@ class S3Server:
     """moto_server on 127.0.0.1 at a free port, until stop()."""
 
     def __init__(self):
-        self.port = free_port()
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not self._answers():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"moto_server did not start on port {self.port} within {START_DEADLINE_S} s")
-            time.sleep(0.1)
+        # free_port's port may be taken by another process (another test's server or rendezvous) before moto binds
+        # it: moto then exits, and what answers there is not moto. Another port is tried, a few times.
+        for _ in range(START_ATTEMPTS):
+            self.port = free_port()
+            self.endpoint_url = f"http://127.0.0.1:{self.port}"
+            self.process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                             str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            start_new_session=True)
+            deadline = time.monotonic() + START_DEADLINE_S
+            while self.process.poll() is None and time.monotonic() < deadline and not self._is_moto():
+                time.sleep(0.1)
+            if self.process.poll() is None and self._is_moto():
+                return
+            self.stop()
+        raise RuntimeError(f"moto_server did not start within {START_DEADLINE_S} s, {START_ATTEMPTS} times")
 
-    def _answers(self) -> bool:
-        with socket.socket() as probe:
-            return probe.connect_ex(("127.0.0.1", self.port)) == 0
+    def _is_moto(self) -> bool:
+        """Whether moto answers at the port: its S3 lists the buckets (an empty list at first)."""
+        try:
+            with urllib.request.urlopen(f"{self.endpoint_url}/", timeout=5) as answer:
+                return b"ListAllMyBucketsResult" in answer.read()
+        except OSError:  # not listening yet, or another server that answers otherwise
+            return False
 
     def client(self, key_id: str = TEST_KEY_ID, secret: str = TEST_SECRET):
         import boto3
