@@ -302,8 +302,10 @@ def validation(exported: Exported) -> dict:
     epoch = state["epoch"] - 1  # a checkpoint at an epoch's end is the next epoch's start
     metrics = exported.path.parent / "metrics.csv"
     try:
-        rows = [row for row in read_whole_rows(metrics).rows if (row.get("epoch"), row.get("split")) == (str(epoch),
-                                                                                                          split)]
+        read = read_whole_rows(metrics)
+        if read.warning():  # rows a crash cut short, as the other tools that read metrics.csv say
+            print(read.warning(), file=sys.stderr)
+        rows = [row for row in read.rows if (row.get("epoch"), row.get("split")) == (str(epoch), split)]
         if rows:
             return {**figures, "top1": float(rows[-1]["top1"]), "top5": float(rows[-1]["top5"]), "epoch": epoch,
                     "from": "metrics.csv"}
@@ -436,7 +438,8 @@ def main(argv=None) -> None:
     write_files(args.out, card_path, data, card)
     figures = card["validation"]
     top1 = f"validation top-1 {figures['top1']:.2f}%" if figures["top1"] is not None else "not validated"
-    print(f"{args.out}: {exported.state['arch']}, the {args.weights}'s weights of {path} (epoch "
+    whose = "--model-ema average's" if args.weights == "ema" else "model's"
+    print(f"{args.out}: {exported.state['arch']}, the {whose} weights of {path} (epoch "
           f"{exported.state.get('epoch')}, {top1}) as {args.format}, {len(data):,} bytes, sha256 "
           f"{card['sha256'][:16]}...; card {card_path}")
     print(f"check: {check['inputs']} seeded {exported.crop_px}-pixel images through {by}: max abs difference "
