@@ -29,7 +29,7 @@ from common.rundir import BEST_NAME
 from common.tools import export
 from helpers import REPO, assert_one_line_error
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # deprecated in torch 2.9, still loads
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # torch 2.14 warns at each use
 
 CLASSES = ["cat", "dog", "eel"]
 FLAGS = ["--synthetic", "-a", "resnet18", "--image-size", "32", "--val-resize", "36", "--lr", "0.2"]
