@@ -149,7 +149,7 @@ class Exported:
     path: Path  # the checkpoint file
     state: dict  # what it holds (checkpoint.load)
     weights: str  # "model" or "ema"
-    state_dict: Dict[str, torch.Tensor]  # plain names, contiguous float tensors, no shared storage
+    chosen: Dict[str, torch.Tensor]  # the chosen weights and buffers, as the checkpoint holds them
 
     @property
     def options(self) -> dict:
@@ -175,25 +175,24 @@ def read_checkpoint(path: Path, weights: str) -> Exported:
     if not state.get("classes") or not isinstance(state.get("config"), dict) or "arch" not in state:
         raise UsageError(f"argument {SOURCE}: {path} holds no class names, options or architecture (a checkpoint "
                          f"of another trainer?); export reads them from this project's checkpoints")
-    if weights == "ema":
-        if not state.get("model_ema"):
-            raise UsageError(f"argument --weights: {path} holds no --model-ema average; export --weights model")
-        chosen = state["model_ema"]["state_dict"]
-    else:
-        chosen = state["state_dict"]
-    # contiguous(): channels-first whatever the run's --memory-format; clone(): no two names share storage
-    # (safetensors refuses that); float32, as the checkpoint's master weights are.
-    plain = {name: (tensor.float() if tensor.is_floating_point() else tensor).contiguous().clone()
-             for name, tensor in checkpoint._plain_state_dict(chosen).items()}
-    return Exported(path, state, weights, plain)
+    if weights == "ema" and not state.get("model_ema"):
+        raise UsageError(f"argument --weights: {path} holds no --model-ema average; export --weights model")
+    return Exported(path, state, weights, state["model_ema"]["state_dict"] if weights == "ema" else state["state_dict"])
 
 
 def loaded_model(exported: Exported) -> nn.Module:
-    """The checkpoint's model with the chosen weights: the reference the export is checked against."""
+    """The checkpoint's model with the chosen weights (their wrappers' name prefixes dropped by
+    checkpoint.load_model_weights), in float32: the reference the export is checked against."""
     model = exported.build()
-    checkpoint.load_model_weights({**exported.state, "state_dict": exported.state_dict}, model,
+    checkpoint.load_model_weights({**exported.state, "state_dict": exported.chosen}, model,
                                   exported.state["arch"], exported.state["classes"], SOURCE, str(exported.path))
     return model
+
+
+def plain_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's weights and buffers under its own (plain) names: contiguous, so channels-first whatever the
+    run's --memory-format; cloned, so no two names share storage (safetensors refuses that)."""
+    return {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()}
 
 
 def seeded_images(count: int, crop_px: int) -> torch.Tensor:
@@ -218,7 +217,7 @@ def quiet_exporters():
 def safetensors_bytes(exported: Exported, model: nn.Module, packages: dict) -> Tuple[bytes, dict]:
     metadata = {"format": "pt", "architecture": exported.state["arch"], "weights": exported.weights,
                 "num_classes": str(len(exported.state["classes"]))}
-    return packages["safetensors"].save(exported.state_dict, metadata=metadata), {}
+    return packages["safetensors"].save(plain_weights(model), metadata=metadata), {}
 
 
 def torchscript_bytes(exported: Exported, model: nn.Module, packages: dict) -> Tuple[bytes, dict]:
@@ -234,7 +233,7 @@ def torchscript_bytes(exported: Exported, model: nn.Module, packages: dict) -> T
 
 
 def onnx_bytes(exported: Exported, model: nn.Module, packages: dict) -> Tuple[bytes, dict]:
-    weight_bytes = sum(tensor.numel() * tensor.element_size() for tensor in exported.state_dict.values())
+    weight_bytes = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     if weight_bytes >= ONNX_LIMIT_BYTES:
         raise UsageError(f"argument --format: onnx holds at most 2 GiB in one file, {exported.state['arch']}'s "
                          f"weights take {weight_bytes / 2**30:.1f} GiB; use safetensors or torchscript")
