@@ -27,7 +27,7 @@ from common.ema import ModelEMA
 from common.errors import UsageError
 from common.rundir import BEST_NAME
 from common.tools import export
-from helpers import REPO, assert_one_line_error
+from helpers import FAST_ARGS, REPO, assert_one_line_error, make_image_folder, metrics_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")  # torch 2.14 warns at each use
 
@@ -342,3 +342,29 @@ def test_the_command_ends_a_mistake_with_one_line_and_status_2(run, tmp_path):
                            str(tmp_path / "taken.pt")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert_one_line_error(done, "python -m common.tools.export: error: OUT", "taken.pt exists")
     assert (tmp_path / "taken.pt").read_bytes() == b"mine"
+
+
+@pytest.mark.slow  # a 2-epoch training run in this process, then two exports: about 20 s
+def test_a_real_runs_checkpoints_carry_the_figures_metrics_csv_has_for_them(tmp_path):
+    import imagenet_nd
+
+    data = make_image_folder(tmp_path / "data")
+    imagenet_nd.main([str(data), *FAST_ARGS, "-j", "0", "--epochs", "2", "--model-ema", "--model-ema-steps", "1",
+                      "--logdir", str(tmp_path / "runs"), "--run-name", "r"])
+    run_dir = tmp_path / "runs" / "r"
+    rows = {(int(row["epoch"]), row["split"]): row for row in metrics_rows(run_dir)}
+    best = checkpoint.load(str(run_dir / BEST_NAME))
+    # The best checkpoint starts the epoch after the best one, whose row scored its best_acc1.
+    assert best["epoch"] == best["best_epoch"] + 1
+    source_split = "val_ema" if best["best_source"] == "ema" else "val"
+    assert float(rows[best["best_epoch"], source_split]["top1"]) == pytest.approx(best["best_acc1"])
+    _, card, _ = exported(tmp_path, run_dir, "torchscript", "--weights", "ema", name="best.pt")
+    row = rows[best["best_epoch"], "val_ema"]
+    assert card["validation"] == {"top1": float(row["top1"]), "top5": float(row["top5"]), "epoch": best["best_epoch"],
+                                  "split": "val_ema", "from": "metrics.csv"}
+    recorded = json.loads((run_dir / "config.json").read_text())
+    assert card["code"]["recorded_in"] == "config.json"
+    assert card["code"]["git_commit"] == recorded["environment"]["git_commit"]
+    assert card["classes"] == ["class_0", "class_1", "class_2"] and card["command"] == recorded["command"]
+    _, card, _ = exported(tmp_path, run_dir, "torchscript", "--checkpoint", "last", name="last.pt")
+    assert card["checkpoint"]["epoch"] == 2 and card["validation"]["top1"] == float(rows[1, "val"]["top1"])
