@@ -203,8 +203,6 @@ def seeded_images(count: int, crop_px: int) -> torch.Tensor:
     return (pixels - mean) / std
 
 
-
-
 @contextlib.contextmanager
 def quiet_exporters():
     """torch.jit's deprecation notes and the ONNX exporter's advice, meant for
