@@ -269,9 +269,7 @@ def test_choices_of_checkpoint_and_a_mid_epoch_ones_figures(tmp_path):
     assert card["validation"]["top1"] is None and "within an epoch" in card["validation"]["note"]
     assert card["code"]["git_commit"] == RESUMED_COMMIT
     _, card, _ = exported(tmp_path, tmp_path / "run", "safetensors", "--checkpoint", mid.name, name="file.safetensors")
-    assert card["checkpoint"]["file"] == str(tmp_path / "run" / mid.name)
-    _, card, _ = exported(tmp_path, tmp_path / "run", "safetensors", name="best.safetensors")
-    assert card["checkpoint"]["epoch"] == 3 and card["validation"]["top1"] == BEST_TOP1
+    assert card["checkpoint"]["file"] == str(tmp_path / "run" / mid.name)  # best: the other tests' default
 
 
 def _listing(folder):
