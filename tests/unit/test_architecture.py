@@ -237,10 +237,11 @@ def test_tools_import_only_the_bottom_layer_and_each_other():
     tools = {name for name in MODULES if name.startswith("common.tools.")}
     # bench's sections, the processes it measures in (measurements; comm_bench, those of its comm and scaling
     # sections) and its data_scale section run the training stack it measures; filelist writes what the training
-    # scripts' scan finds. The rest of bench (its command, report, FLOPs, GPU monitor, ...) is held to the rule.
+    # scripts' scan finds; export builds a run's model from its checkpoint. The rest of bench (its command, report,
+    # FLOPs, GPU monitor, ...) is held to the rule.
     for name in tools - {"common.tools.bench.sections", "common.tools.bench.measurements",
                          "common.tools.bench.data_scale", "common.tools.bench.comm_bench", "common.tools.filelist",
-                         "common.tools.pack_shards"}:
+                         "common.tools.pack_shards", "common.tools.export"}:
         assert GRAPH[name] <= BOTTOM | tools, (name, GRAPH[name] - BOTTOM - tools)
     for name in set(MODULES) - tools - {"common.tools"}:
         assert not GRAPH[name] & tools, (name, GRAPH[name] & tools)  # training never needs the tools
