@@ -60,7 +60,7 @@ class S3Server:
 
     def __init__(self):
         # free_port's port may be taken by another process (another test's server or rendezvous) before moto binds
-        # it: moto then exits, and what answers there is not moto. Another port is tried, a few times.
+        # it: moto then exits, and what answers there is not moto, or another test's moto. Another port is tried, a few times.
         for _ in range(START_ATTEMPTS):
             self.port = free_port()
             self.endpoint_url = f"http://127.0.0.1:{self.port}"
@@ -70,10 +70,21 @@ class S3Server:
             deadline = time.monotonic() + START_DEADLINE_S
             while self.process.poll() is None and time.monotonic() < deadline and not self._is_moto():
                 time.sleep(0.1)
-            if self.process.poll() is None and self._is_moto():
+            if self.process.poll() is None and self._is_moto() and self._listening_socket_is_ours():
                 return
             self.stop()
         raise RuntimeError(f"moto_server did not start within {START_DEADLINE_S} s, {START_ATTEMPTS} times")
+
+    def _listening_socket_is_ours(self) -> bool:
+        """Whether the socket listening at the port is this server's process's, not another test's moto (Linux's
+        /proc: the socket's inode among the process's descriptors; True where /proc cannot say)."""
+        try:
+            inodes = {fields[9] for fields in (line.split() for line in open("/proc/net/tcp").readlines()[1:])
+                      if fields[1].endswith(f":{self.port:04X}") and fields[3] == "0A"}  # 0A: LISTEN
+            held = {os.readlink(f"/proc/{self.process.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{self.process.pid}/fd")}
+        except OSError:
+            return True
+        return any(f"socket:[{inode}]" in held for inode in inodes)
 
     def _is_moto(self) -> bool:
         """Whether moto answers at the port: its S3 lists the buckets (an empty list at first)."""
