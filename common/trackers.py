@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -45,8 +46,11 @@ MAX_PARAMETER_CHARS = 6000  # MLflow refuses longer parameter values (its MAX_PA
 # so one call gives up within about 35 s (MLflow's defaults: 120 s and 7 retries with factor 2, some minutes).
 MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                       "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
-MLFLOW_DEFAULT_STORE = "mlflow.db"  # in --logdir, beside the run directories, when MLFLOW_TRACKING_URI is not set
-MLFLOW_DEFAULT_ARTIFACTS = "mlartifacts"  # in --logdir: the default store's artifacts
+# Without MLFLOW_TRACKING_URI: a SQLite store and its artifacts in the run directory's mlflow/ folder. The run
+# directory stays the one place that holds a run (copied, its tracking goes along; a resume finds it there), runs
+# never share one SQLite file, and the tools that walk --logdir do not descend into a run directory, so they never
+# take the artifacts' copies of config.json and metrics.csv for runs. Several runs in one view: a server.
+MLFLOW_DEFAULT_FOLDER = "mlflow"
 MLFLOW_EXPERIMENT = "imagenet"  # the experiment, unless MLFLOW_EXPERIMENT_NAME names one
 WANDB_INIT_TIMEOUT_SECONDS = 60.0
 
@@ -91,7 +95,7 @@ class MlflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, logdir: Path, run_name: str, run_id: Optional[str], parameters: Dict[str, str]):
+    def __init__(self, run_dir: Path, run_id: Optional[str], parameters: Dict[str, str]):
         for variable, value in MLFLOW_HTTP_BOUNDS.items():
             os.environ.setdefault(variable, value)  # MLflow reads them at each request
         import mlflow
@@ -101,8 +105,10 @@ class MlflowTracker:
 
         self._param = Param
         default_store = not MLFLOW_TRACKING_URI.is_set()
-        self.where = (f"sqlite:///{(logdir / MLFLOW_DEFAULT_STORE).resolve()}" if default_store
-                      else mlflow.get_tracking_uri())
+        store = run_dir.resolve() / MLFLOW_DEFAULT_FOLDER
+        if default_store:
+            store.mkdir(exist_ok=True)
+        self.where = f"sqlite:///{store / 'mlflow.db'}" if default_store else mlflow.get_tracking_uri()
         self.client = MlflowClient(self.where)
         known = {}
         if run_id is not None:
@@ -112,9 +118,8 @@ class MlflowTracker:
             experiment_name = MLFLOW_EXPERIMENT_NAME.get() or MLFLOW_EXPERIMENT
             experiment = self.client.get_experiment_by_name(experiment_name)
             experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
-                experiment_name, artifact_location=(logdir / MLFLOW_DEFAULT_ARTIFACTS).resolve().as_uri()
-                if default_store else None)
-            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+                experiment_name, artifact_location=(store / "artifacts").as_uri() if default_store else None)
+            run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
         self.run_id = run_id
         # MLflow keeps a parameter's first value: a resume adds the new ones (its changes: resumes.jsonl)
         new = [Param(key, value) for key, value in parameters.items() if key not in known]
@@ -145,13 +150,13 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, logdir: Path, run_name: str, run_id: Optional[str], parameters: Dict[str, str]):
+    def __init__(self, run_dir: Path, run_id: Optional[str], parameters: Dict[str, str]):
         import wandb
 
         settings = wandb.Settings(x_disable_meta=True, disable_git=True, save_code=False, x_save_requirements=False,
                                   console="off", x_disable_stats=True, init_timeout=WANDB_INIT_TIMEOUT_SECONDS,
                                   quiet=True)
-        self.run = wandb.init(id=run_id or wandb.util.generate_id(), resume="allow", name=run_name,
+        self.run = wandb.init(id=run_id, resume="allow", name=run_dir.name,
                               config=parameters, settings=settings, allow_val_change=True)
         self.run_id = self.run.id
         self.run.define_metric("epoch")
@@ -164,8 +169,12 @@ class WandbTracker:
         self.run.log({"epoch": epoch, **values})
 
     def upload(self, run_dir: Path, files: List[Path]) -> None:
+        """Copies in the run's files folder, which W&B sends at the finish (run.save links them instead,
+        and warns for each)."""
         for path in files:
-            self.run.save(str(path), base_path=str(run_dir), policy="now")
+            copy = Path(self.run.dir) / path.relative_to(run_dir)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
 
     def close(self, stopped: bool) -> None:
         self.run.finish(exit_code=1 if stopped else 0)
@@ -193,8 +202,7 @@ class Trackers:
         parameters = flat_parameters(record)
         for name in names:
             run_id = ids.get(name, {}).get("run_id")
-            tracker = self._call(name, "start", lambda: self.makers[name](run_dir.parent, run_dir.name, run_id,
-                                                                            parameters))
+            tracker = self._call(name, "start", lambda: self.makers[name](run_dir, run_id, parameters))
             if tracker is not None:
                 self.active.append(tracker)
                 ids[name] = tracker.record()
