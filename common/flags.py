@@ -396,10 +396,10 @@ def _add_measurement_flags(group) -> None:
                        help=f"also send the run's parameters (config.json's), per-epoch figures (metrics.csv's "
                             f"columns as <split>_<column>, step: the epoch) and, at the end, its reports to an "
                             f"experiment tracker, beside the run directory; give it twice for both. mlflow: "
-                            f"MLFLOW_TRACKING_URI, else a store in the run directory's mlflow/; wandb: W&B's own settings (WANDB_MODE, "
-                            f"WANDB_PROJECT, ...). A resume continues the same tracked run; a failing tracker is one "
-                            f"warning and training goes on (docs/outputs.md#trackers; pip install -r "
-                            f"{TRACKERS_REQUIREMENTS})")
+                            f"MLFLOW_TRACKING_URI, else a store in the run directory's mlflow/; wandb: W&B's own "
+                            f"settings (WANDB_MODE, WANDB_PROJECT, ...). A resume continues the same tracked run; "
+                            f"a failing tracker is one warning and training goes on (docs/outputs.md#trackers; "
+                            f"pip install -r {TRACKERS_REQUIREMENTS})")
 
 
 # Sampled faster, io.csv's rows (kept until the epoch ends) would grow by megabytes a second: a value such as

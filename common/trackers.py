@@ -211,7 +211,8 @@ class Trackers:
         if not self.active:
             return
         try:
-            atomic_write(run_dir / RUN_IDS_NAME, lambda handle: handle.write((json.dumps(ids, indent=2) + "\n").encode()))
+            text = json.dumps(ids, indent=2) + "\n"
+            atomic_write(run_dir / RUN_IDS_NAME, lambda handle: handle.write(text.encode()))
         except OSError as error:
             self.say(one_line(f"warning: could not write {run_dir / RUN_IDS_NAME} ({error.strerror or error}): a "
                               f"resume of this run will start new tracked runs; training goes on"))

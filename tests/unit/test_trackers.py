@@ -129,7 +129,8 @@ def mlflow_environment(monkeypatch):
 
 
 @pytest.mark.slow  # MLflow makes its SQLite store's tables: 10 s on a loaded 2-core machine
-def test_mlflow_keeps_a_local_store_in_the_run_directory_and_a_resume_appends_to_the_same_run(tmp_path, mlflow_environment):
+def test_mlflow_keeps_a_local_store_in_the_run_directory_and_a_resume_appends_to_its_run(tmp_path,
+                                                                                        mlflow_environment):
     from mlflow.tracking import MlflowClient
 
     run_dir = tmp_path / "runs" / "r"
