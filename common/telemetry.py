@@ -4,6 +4,9 @@ directory (common.rundir, which names and owns the files). Only the primary
 process prints or writes; on the others every call is a no-op. Nothing here
 is a collective: what crosses processes (metrics sums, timings, I/O samples)
 is reduced by the loop first (common.engine, common.measure) and handed in.
+With --tracker, the same parameters, rows and reports also go to MLflow or
+W&B (common.trackers), beside the run directory; TensorBoard's writer is
+common.tensorboard_events'.
 
 What each file holds is in docs/outputs.md; TensorBoard's x-axis is epochs
 completed (1-based), and steps/ holds the per-print-interval training

@@ -100,10 +100,10 @@ class MlflowTracker:
             os.environ.setdefault(variable, value)  # MLflow reads them at each request
         import mlflow
         from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
-        from mlflow.entities import Param
+        from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        self._param = Param
+        self._metric = Metric
         default_store = not MLFLOW_TRACKING_URI.is_set()
         store = run_dir.resolve() / MLFLOW_DEFAULT_FOLDER
         if default_store:
@@ -129,8 +129,7 @@ class MlflowTracker:
         return {"run_id": self.run_id, "tracking_uri": without_credentials(self.where)}
 
     def log(self, values: Dict[str, float], epoch: int, wall_time: float) -> None:
-        from mlflow.entities import Metric
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, int(wall_time * 1000), epoch)
+        self.client.log_batch(self.run_id, metrics=[self._metric(key, value, int(wall_time * 1000), epoch)
                                                     for key, value in values.items()])
 
     def upload(self, run_dir: Path, files: List[Path]) -> None:

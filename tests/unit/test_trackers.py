@@ -33,6 +33,17 @@ def metrics_row(epoch: int, split: str, loss: float, **more) -> dict:
                                            lr=0.1 if split == "train" else None, wall_time=1.8e9 + epoch, **more))
 
 
+def track(names, run_dir, rows, stopped=False, record=RECORD, resuming=False) -> list:
+    """One start of a run with the real trackers `names`: opened, sent `rows`, finished; the lines they said."""
+    said = []
+    group = Trackers(said.append)
+    group.open(names, run_dir, record, resuming=resuming)
+    for row in rows:
+        group.log(row)
+    group.finish(stopped=stopped)
+    return said
+
+
 def test_parameters_are_config_json_flattened_without_the_per_start_fields():
     assert flat_parameters(RECORD) == EXPECTED_PARAMETERS
     long = flat_parameters({"options": {"data": "x" * 7000}})["options.data"]
@@ -137,22 +148,14 @@ def test_mlflow_keeps_a_local_store_in_the_run_directory_and_a_resume_appends_to
     run_dir.mkdir(parents=True)
     for name in ("config.json", "metrics.csv", "val_report.csv"):
         (run_dir / name).write_text(name)
-    said = []
-    first = Trackers(said.append)
-    first.open(["mlflow"], run_dir, RECORD, resuming=False)
-    first.log(metrics_row(0, "train", 0.75))
-    first.log(metrics_row(1, "train", 0.5))
-    first.finish(stopped=True)
+    said = track(["mlflow"], run_dir, [metrics_row(0, "train", 0.75), metrics_row(1, "train", 0.5)], stopped=True)
     assert {name: os.environ[name] for name in trackers.MLFLOW_HTTP_BOUNDS} == trackers.MLFLOW_HTTP_BOUNDS
     run_id = json.loads((run_dir / RUN_IDS_NAME).read_text())["mlflow"]["run_id"]
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
     assert client.get_run(run_id).info.status == "KILLED"
 
-    resumed = Trackers(said.append)
-    resumed.open(["mlflow"], run_dir, {**RECORD, "options": {**RECORD["options"], "epochs": 3, "seed": 1}},
-                 resuming=True)
-    resumed.log(metrics_row(2, "train", 0.25))
-    resumed.finish(stopped=False)
+    said += track(["mlflow"], run_dir, [metrics_row(2, "train", 0.25)], resuming=True,
+                  record={**RECORD, "options": {**RECORD["options"], "epochs": 3, "seed": 1}})
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "r"
     assert run.data.params == {**EXPECTED_PARAMETERS, "options.seed": "1"}  # the first value kept, new ones added
@@ -169,11 +172,7 @@ def test_mlflow_bounds_only_the_http_settings_the_user_left_unset(tmp_path, mlfl
     mlflow_environment.setenv("MLFLOW_TRACKING_URI", f"http://alice:s3cret@127.0.0.1:{free_port()}")
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    said = []
-    group = Trackers(said.append)
-    group.open(["mlflow"], run_dir, RECORD, resuming=False)
-    group.log(metrics_row(0, "train", 1.0))
-    group.finish(stopped=False)
+    said = track(["mlflow"], run_dir, [metrics_row(0, "train", 1.0)])
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == trackers.MLFLOW_HTTP_BOUNDS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
     assert len(said) == 1 and said[0].startswith("warning: mlflow tracker failed to start (")
@@ -190,12 +189,7 @@ def test_wandb_offline_keeps_the_parameters_metrics_and_reports(tmp_path, monkey
     (run_dir / "figures").mkdir(parents=True)
     (run_dir / "val_report.csv").write_text("report")
     (run_dir / "figures" / "accuracy.png").write_bytes(b"png")
-    said = []
-    group = Trackers(said.append)
-    group.open(["wandb"], run_dir, RECORD, resuming=False)
-    group.log(metrics_row(0, "train", 0.75))
-    group.log(metrics_row(0, "val", 0.5))
-    group.finish(stopped=False)
+    said = track(["wandb"], run_dir, [metrics_row(0, "train", 0.75), metrics_row(0, "val", 0.5)])
     assert [line for line in said if "warning" in line] == []
     (run,) = wandb_runs(tmp_path)
     assert run["id"] == json.loads((run_dir / RUN_IDS_NAME).read_text())["wandb"]["run_id"]
