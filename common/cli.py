@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from common import launcher, process_signals, recipes
 from common.architectures import available_architectures
 from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
-from common.config import MODES, OBJECT_STORE_SCHEMES, Config, is_sharded
+from common.config import MODES, OBJECT_STORE_SCHEMES, TRACKERS_REQUIREMENTS, Config, is_sharded
 from common.errors import UsageError, error_summary, run_main
 from common.flags import build_parser
 
@@ -50,6 +51,7 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     values = {dest: tuple(value) if isinstance(value, list) else value for dest, value in vars(ns).items()}
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
+    values["trackers"] = tuple(dict.fromkeys(values["trackers"] or ()))  # each once, in the order given
     return Config(mode=mode, recipe_overridden=overridden, **values)
 
 
@@ -134,6 +136,7 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_augmentation_flags(ns)
     _check_machine_fits(ns)
     _check_output_paths(ns)
+    _check_trackers(ns.trackers or (), ns.evaluate)
     if not ns.synthetic:
         _check_dataset(ns)
     if ns.batch_size == 1 and not ns.evaluate:
@@ -322,6 +325,17 @@ def _check_shard_flags(ns: argparse.Namespace) -> None:
         raise UsageError(f"argument --data-cache: {ns.data_cache} is not a folder")
 
 
+
+
+def _check_trackers(trackers: Sequence[str], evaluate: bool) -> None:
+    """--tracker: a training run's, and its library installed (looked up, not imported: no seconds spent, and
+    a missing one said before training starts)."""
+    if trackers and evaluate:
+        raise UsageError("argument --tracker: not with --evaluate (a tracker follows a training run; --report-dir "
+                         "keeps an evaluation's report)")
+    for name in trackers:
+        if importlib.util.find_spec(name) is None:
+            raise UsageError(f"argument --tracker: {name} is not installed: pip install -r {TRACKERS_REQUIREMENTS}")
 
 
 def _is(path: Path, test: Callable[[Path], bool], flag: str) -> bool:

@@ -43,6 +43,11 @@ def is_sharded(data: str) -> bool:
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
+# --tracker's choices: experiment trackers that also get a run's parameters, per-epoch figures and reports,
+# beside its run directory (common.trackers). Optional: each is imported only when chosen.
+TRACKERS = ("mlflow", "wandb")
+TRACKERS_REQUIREMENTS = "requirements-trackers.txt"
+
 # --auto-augment's choices, torchvision's references' names: TrivialAugmentWide, RandAugment, AugMix and
 # AutoAugment's ImageNet policy (torchvision.transforms.v2; common.augment makes them).
 AUTO_AUGMENT_POLICIES = ("ta_wide", "ra", "augmix", "imagenet")
@@ -174,6 +179,7 @@ class Config:
     model_ema: bool = False
     model_ema_steps: int = 32  # optimizer steps between updates of the average, counted over the run
     model_ema_decay: float = 0.99998  # per update, before torchvision's adjustment for batch, steps and epochs
+    trackers: Tuple[str, ...] = ()  # --tracker: experiment trackers (TRACKERS) beside the run directory, in order
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

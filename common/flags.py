@@ -19,6 +19,7 @@ from common.config import (AUTO_AUGMENT_POLICIES, CONSTANT_WARMUP_DECAY, DATA_BA
                            PREEMPT_SIGNALS, WARMUP_METHODS)
 from common.arguments import (Parser, byte_size, float_in, int_at_least, non_negative_float, non_negative_int, percent,
                               positive_float, positive_int, seed_int, unit_interval)
+from common.config import TRACKERS, TRACKERS_REQUIREMENTS
 from common.errors import STOPPED_EXIT_STATUS, program
 from common import recipes
 
@@ -391,6 +392,14 @@ def _add_measurement_flags(group) -> None:
     group.add_argument("--report-dir", default=None, metavar="DIR",
                        help="with --evaluate: write the per-class report (val_report.csv, "
                             "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
+    group.add_argument("--tracker", dest="trackers", action="append", choices=TRACKERS, default=None,
+                       help=f"also send the run's parameters (config.json's), per-epoch figures (metrics.csv's "
+                            f"columns as <split>_<column>, step: the epoch) and, at the end, its reports to an "
+                            f"experiment tracker, beside the run directory; give it twice for both. mlflow: "
+                            f"MLFLOW_TRACKING_URI, else a store in the run directory's mlflow/; wandb: W&B's own "
+                            f"settings (WANDB_MODE, WANDB_PROJECT, ...). A resume continues the same tracked run; "
+                            f"a failing tracker is one warning and training goes on (docs/outputs.md#trackers; "
+                            f"pip install -r {TRACKERS_REQUIREMENTS})")
 
 
 # Sampled faster, io.csv's rows (kept until the epoch ends) would grow by megabytes a second: a value such as

@@ -4,6 +4,9 @@ directory (common.rundir, which names and owns the files). Only the primary
 process prints or writes; on the others every call is a no-op. Nothing here
 is a collective: what crosses processes (metrics sums, timings, I/O samples)
 is reduced by the loop first (common.engine, common.measure) and handed in.
+With --tracker, the same parameters, rows and reports also go to MLflow or
+W&B (common.trackers), beside the run directory; TensorBoard's writer is
+common.tensorboard_events'.
 
 What each file holds is in docs/outputs.md; TensorBoard's x-axis is epochs
 completed (1-based), and steps/ holds the per-print-interval training
@@ -40,6 +43,8 @@ from common.measure import IO_COLUMNS, StepTimer, peak_memory_mib
 from common.meters import ClassReport, EpochMetrics, MetricTotals
 from common.rundir import BEST_NAME, CHECKPOINT_NAME, RunDirectory
 from common.storage import is_object_store
+from common.tensorboard_events import EventWriter
+from common.trackers import Trackers
 
 METRICS_COLUMNS = [field.name for field in dataclasses.fields(EpochMetrics)]
 
@@ -250,100 +255,6 @@ class _SilentProgress:
         pass
 
 
-class _FailSafeFile:
-    """The event file under a TensorBoard writer, as its background thread
-    writes it, a record per write: a write that fails (a full disk) is undone
-    (the file cut back to its size before, so it never ends in part of a
-    record, which readers take for damage), kept in `error`, and every later
-    one dropped, instead of the thread dying with a traceback on stderr and
-    every later add_scalar raising its error."""
-
-    def __init__(self, file, path: Path):
-        self.file, self.path, self.error = file, path, None
-
-    def write(self, data) -> None:
-        if self.error is not None:
-            return
-        size_before = self.path.stat().st_size
-        try:
-            self.file.write(data)
-        except OSError as error:
-            self.error = error
-            with contextlib.suppress(OSError):
-                os.truncate(self.path, size_before)
-
-    def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.file.flush()
-            except OSError as error:
-                self.error = error
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-
-    @property
-    def closed(self) -> bool:
-        return self.file.closed
-
-
-class EventWriter:
-    """A TensorBoard SummaryWriter whose failure to write (a full disk) is not
-    the run's: `on_failure` hears of the first one, the event file keeps its
-    whole records, and later scalars are dropped (the writer's thread cannot
-    go on after a failed write). Writes happen in that background thread, so
-    a failure shows at the next add_scalar or flush."""
-
-    def __init__(self, log_dir: Path, purge_step: Optional[int], on_failure: Callable[[str], None]):
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where it is used
-
-        self._on_failure = on_failure
-        self._writer = self._file = None
-        try:
-            self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-        except OSError as error:
-            on_failure(error.strerror or str(error))
-            return
-        try:  # tensorboard's EventFileWriter (2.x): the file its thread writes, wrapped; see _FailSafeFile
-            events = self._writer.file_writer.event_writer
-            records = events._async_writer._writer
-            # Only tensorboard's own file (without TensorFlow installed) writes each record through to the
-            # file, which _FailSafeFile's cut-back needs; TensorFlow's buffers them.
-            if type(records._writer).__module__.startswith("tensorboard.compat.tensorflow_stub"):
-                self._file = records._writer = _FailSafeFile(records._writer, Path(events._file_name))
-        except AttributeError:  # another version: its failures come out of add_scalar and flush instead
-            pass
-
-    def add_scalar(self, tag: str, value: float, global_step: int, walltime: Optional[float] = None) -> None:
-        self._call(self._writer.add_scalar if self._writer else None, tag, value, global_step=global_step,
-                   walltime=walltime)
-
-    def flush(self) -> None:
-        self._call(self._writer.flush if self._writer else None)
-
-    def close(self) -> None:
-        if self._call(self._writer.close if self._writer else None):
-            self._writer = None
-
-    def _call(self, operation, *args, **kwargs) -> bool:
-        """Whether `operation` (None: the writer failed before) succeeded."""
-        if operation is None:
-            return False
-        try:
-            operation(*args, **kwargs)
-            error = self._file.error if self._file is not None else None
-        except OSError as raised:
-            error = raised
-        if error is None:
-            return True
-        writer, self._writer = self._writer, None
-        with contextlib.suppress(OSError):
-            writer.close()  # stops its thread
-        self._on_failure(error.strerror or str(error))
-        return False
-
-
 class RunLog:
     """Console, metrics.csv and TensorBoard sinks of one run. One class of
     ~240 lines because its methods are the events of a run (start, epoch end,
@@ -365,6 +276,7 @@ class RunLog:
         # Files of the run whose writes failed (a full disk), and why: each said once, and named at the finish.
         self.unwritten: Dict[str, str] = {}
         self.shows_sources = False  # lines and io.csv say where bytes came from: an object store, or a cache in use
+        self._trackers = Trackers(self.info)  # --tracker: MLflow, W&B; opened by start_run
 
     def write_failed(self, name: str, why: str, later: Optional[str] = "its later writes are tried again "
                      "without a word") -> None:
@@ -439,6 +351,7 @@ class RunLog:
         except OSError as error:
             raise UsageError(f"argument --logdir: cannot write {path} ({error.strerror or error}): free some "
                              f"space there or choose another --logdir") from None
+        self._trackers.open(cfg.trackers, self.run_dir, record, run_dir.resuming)
         # purge_step hides events of epochs (and steps) that are now being redone; TensorBoard steps are
         # 1-based epochs here, and steps completed in steps/ (its own event file, as purging is per file).
         resuming = run_dir.resuming
@@ -459,11 +372,13 @@ class RunLog:
                 append_rows(self.run_dir / "io.csv", IO_COLUMNS, rows)
 
     def log_metrics(self, metrics: EpochMetrics) -> None:
-        """Append one row to metrics.csv and the split's TensorBoard scalars."""
+        """Append one row to metrics.csv, the split's TensorBoard scalars and the trackers' metrics."""
         if not self.is_primary or self.run_dir is None:
             return
+        row = dataclasses.asdict(metrics)
         with self._writing("metrics.csv"):
-            append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [dataclasses.asdict(metrics)])
+            append_rows(self.run_dir / "metrics.csv", METRICS_COLUMNS, [row])
+        self._trackers.log(row)
         for tag, field in _SCALARS[metrics.split].items():
             value = getattr(metrics, field)
             if value is not None:
@@ -570,6 +485,7 @@ class RunLog:
                 writer.close()
         if not self.is_primary or self.run_dir is None:
             return
+        self._trackers.finish(stopped)
         done = "stopped after" if stopped else "finished"
         best = (f"; best val top-1 {result.best_acc1:.2f}% at epoch {result.best_epoch}"
                 + (" (the EMA)" if result.best_source == "ema" else "")

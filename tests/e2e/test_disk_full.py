@@ -60,7 +60,7 @@ def sizes(folder: Path) -> dict:
     has written, which no later write may take back.
 
     A write that fails partway (the disk is full) leaves part of a record after that end and cuts it off
-    again at once (telemetry._FailSafeFile), so the file is never left shorter than before the write.
+    again at once (tensorboard_events.FailSafeFile), so the file is never left shorter than before the write.
     The events are written by each writer's own thread, in this process too, so a size read here can
     fall between the two: it counts the part, and the cut looks like the file getting shorter. Seen
     once in `make test` under load (a steps/ events file); a 0.5 s sleep before the sink's cut-back
