@@ -78,14 +78,15 @@ def check_architecture(arch: str) -> None:
 
 def close_architectures(arch: str, timm_names: List[str], per_zoo: int = 2) -> List[str]:
     """The names closest to a mistyped `arch`, as -a takes them: its exact
-    name in the other zoo first, then up to `per_zoo` of each zoo's (difflib),
-    timm's compared without their prefix and tags."""
+    name in the other zoo first, then up to `per_zoo` of each zoo's (difflib;
+    the zoo it names first), timm's compared without their prefix and tags."""
     bare = arch[len(TIMM_PREFIX):] if is_timm(arch) else arch
     torchvision_names = available_architectures()
     timm_models = [name for name in timm_names if "." not in name]
-    close = [bare] if bare in torchvision_names else [TIMM_PREFIX + bare] if bare in timm_models else []
-    close += difflib.get_close_matches(bare, torchvision_names, n=per_zoo)
-    close += [TIMM_PREFIX + name for name in difflib.get_close_matches(bare, timm_models, n=per_zoo)]
+    exact = [bare] if bare in torchvision_names else [TIMM_PREFIX + bare] if bare in timm_models else []
+    from_torchvision = difflib.get_close_matches(bare, torchvision_names, n=per_zoo)
+    from_timm = [TIMM_PREFIX + name for name in difflib.get_close_matches(bare, timm_models, n=per_zoo)]
+    close = exact + (from_timm + from_torchvision if is_timm(arch) else from_torchvision + from_timm)
     return [name for index, name in enumerate(close) if name not in close[:index] and name != arch]
 
 
