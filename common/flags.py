@@ -93,7 +93,7 @@ def _add_recipe_flag(group) -> None:
 def _add_model_flags(group, mode: str) -> None:
     group.add_argument(
         "-a", "--arch", metavar="ARCH", default="resnet50",
-        help="any torchvision classification model: " + ", ".join(available_architectures()) + "; or timm/NAME, "
+        help="any torchvision classification model: " + ", ".join(available_architectures()) + ", or timm/NAME, "
              "any of timm's models (timm.list_models(): timm/resnet50d, timm/convnext_tiny, timm/efficientnet_b0, "
              "timm/vit_base_patch16_224, ...; NAME.TAG picks its pretrained weights), with timm installed "
              "(pip install -r requirements-timm.txt)",
