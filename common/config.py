@@ -65,7 +65,7 @@ RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "lab
                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
                   "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
                   "warmup_decay", "lr_min", "blurpool", "model_ema", "model_ema_steps", "model_ema_decay",
-                  "drop_path", "pretrained_file")
+                  "drop_path")
 
 
 @dataclasses.dataclass(frozen=True)
