@@ -36,11 +36,11 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs(),
-                               blurpool=cfg.blurpool)
+                               blurpool=cfg.blurpool, drop_path=cfg.drop_path, pretrained_file=cfg.pretrained_file)
     model = policy.prepare_model(model.to(ctx.device, memory_format=plan.memory_format))  # O3: the model in half
     model = models.compiled(model, cfg.compile)  # --compile
     if cfg.sync_bn:  # BatchNorm statistics over the global batch, not over each process's share
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = models.sync_batchnorm(model, cfg.arch)
     # Every process holds a replica; DDP averages the gradients across processes during backward
     # (--ddp-comm-hook: what it sends; --bucket-cap-mb, --static-graph: how).
     model, comm_hook = comm.distributed_model(model, cfg, ctx)

@@ -35,7 +35,7 @@ def train(cfg: config.Config, ctx: distributed.Context) -> None:
     loaders = data.build_loaders(cfg, ctx)
     model = models.build_model(cfg.arch, loaders.num_classes, pretrained=cfg.pretrained, image_size=cfg.image_size,
                                dropout=cfg.dropout, other_sizes=cfg.crop_sizes.model_inputs(),
-                               blurpool=cfg.blurpool)
+                               blurpool=cfg.blurpool, drop_path=cfg.drop_path, pretrained_file=cfg.pretrained_file)
     model = models.compiled(model.to(ctx.device, memory_format=plan.memory_format), cfg.compile)  # --compile
     if ctx.device.type != "cuda":
         log.info("no GPU in use: one replica on the CPU, without nn.DataParallel")

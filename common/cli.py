@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from common import launcher, process_signals, recipes
-from common.architectures import available_architectures
+from common.architectures import check_architecture, is_timm
 from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
 from common.config import MODES, OBJECT_STORE_SCHEMES, TRACKERS_REQUIREMENTS, Config, is_sharded
 from common.errors import UsageError, error_summary, run_main
@@ -130,7 +130,8 @@ def _check_values(ns: argparse.Namespace) -> None:
     """Checks across flags and on paths: each failure names its flag or path.
     The one check that needs torch comes last, so that every other mistake is
     reported without importing it."""
-    _check_architecture(ns.arch)
+    check_architecture(ns.arch)
+    _check_pretrained_file(ns.arch, ns.pretrained_file)
     _check_distributed_flags(ns)
     _check_training_flags(ns)
     _check_augmentation_flags(ns)
@@ -146,11 +147,14 @@ def _check_values(ns: argparse.Namespace) -> None:
         check_one_image_per_step(ns.arch, smallest)
 
 
-def _check_architecture(arch: str) -> None:
-    archs = available_architectures()
-    if arch not in archs:
-        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r}{did_you_mean(arch, archs)} "
-                         f"(see --help for the list)")
+
+
+def _check_pretrained_file(arch: str, path: Optional[str]) -> None:
+    if path is not None and not is_timm(arch):
+        raise UsageError(f"argument --pretrained-file: only for timm/ models, not {arch} (torchvision's weights: "
+                         f"--pretrained, from the torch hub cache)")
+    if path is not None and not os.path.isfile(path):
+        raise UsageError(f"argument --pretrained-file: {path} is not a file")
 
 
 def _check_distributed_flags(ns: argparse.Namespace) -> None:

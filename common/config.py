@@ -69,7 +69,8 @@ RECIPE_OPTIONS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "lab
                   "ra_magnitude", "augmix_severity", "random_erase", "mixup_alpha", "cutmix_alpha", "recipe",
                   "val_crop_size", "progressive_resizing", "progressive_step", "val_flip", "ra_sampler", "ra_reps",
                   "norm_weight_decay", "bias_weight_decay", "nesterov", "clip_grad_norm", "warmup_method",
-                  "warmup_decay", "lr_min", "blurpool", "model_ema", "model_ema_steps", "model_ema_decay")
+                  "warmup_decay", "lr_min", "blurpool", "model_ema", "model_ema_steps", "model_ema_decay",
+                  "drop_path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,10 @@ class Config:
     model_ema_steps: int = 32  # optimizer steps between updates of the average, counted over the run
     model_ema_decay: float = 0.99998  # per update, before torchvision's adjustment for batch, steps and epochs
     trackers: Tuple[str, ...] = ()  # --tracker: experiment trackers (TRACKERS) beside the run directory, in order
+    # Stochastic depth: the probability of skipping a residual block in training (timm's drop_path_rate,
+    # torchvision's stochastic_depth_prob); None: the architecture's own default
+    drop_path: Optional[float] = None
+    pretrained_file: Optional[str] = None  # a timm model's starting weights, read from this local file
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -94,11 +94,15 @@ def _add_recipe_flag(group) -> None:
 def _add_model_flags(group, mode: str) -> None:
     group.add_argument(
         "-a", "--arch", metavar="ARCH", default="resnet50",
-        help="any torchvision classification model: " + ", ".join(available_architectures()),
+        help="any torchvision classification model: " + ", ".join(available_architectures()) + ", or timm/NAME, "
+             "any of timm's models (timm.list_models(): timm/resnet50d, timm/convnext_tiny, timm/efficientnet_b0, "
+             "timm/vit_base_patch16_224, ...; NAME.TAG picks its pretrained weights), with timm installed "
+             "(pip install -r requirements-timm.txt)",
     )
     group.add_argument("--pretrained", action="store_true",
                        help="start from torchvision's ImageNet weights (from the local torch hub cache, "
-                            "or downloaded; the last linear layer is replaced when the class count differs)")
+                            "or downloaded; the last linear layer is replaced when the class count differs), or a "
+                            "timm/ model's (from Hugging Face's local cache only: see --pretrained-file)")
     group.add_argument("--dropout", type=float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
                        metavar="P", help="dropout probability of the classifier, for architectures that have one "
                                          "(AlexNet, VGG, SqueezeNet, MobileNet, EfficientNet, ...); default: "
@@ -118,6 +122,16 @@ def _add_model_flags(group, mode: str) -> None:
         group.add_argument("--compile", action="store_true",
                            help="compile the model with torch.compile (the first steps take minutes while it "
                                 "compiles; throughput figures leave out --throughput-warmup-steps)")
+    group.add_argument("--drop-path", type=float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
+                       metavar="P", help="stochastic depth: the probability of skipping a residual block in training "
+                                         "(timm's drop_path_rate; torchvision's stochastic_depth_prob: ConvNeXt, "
+                                         "EfficientNet, Swin, MaxViT); refused for a model without it; default: the "
+                                         "architecture's own")
+    group.add_argument("--pretrained-file", default=None, metavar="PATH",
+                       help="start a timm/ model from the weights in this local file (.safetensors, or a .pth/.bin "
+                            "state dict: plain tensors only; a classifier of another class count is replaced). "
+                            "--pretrained alone reads timm's weights from Hugging Face's local cache, never the "
+                            "network")
 
 
 def _add_data_flags(group) -> None:

@@ -1,7 +1,7 @@
-"""Model builders over torchvision.models: any classification architecture,
-from scratch or from torchvision's ImageNet weights, with FFCV's BlurPool
-when asked, and the helper that finds the plain model inside DataParallel /
-DDP / torch.compile wrappers."""
+"""Model builders over torchvision.models and timm (`-a timm/NAME`, optional:
+requirements-timm.txt): any classification architecture, from scratch or
+from published weights, with FFCV's BlurPool when asked, and the helper that
+finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +13,10 @@ import torchvision
 from torch import nn
 from torch.nn import functional
 
-from common.architectures import available_architectures
+from common.architectures import TIMM_PREFIX, available_architectures, check_architecture, is_timm
 from common.errors import UsageError, error_summary
+
+__all__ = ["available_architectures", "build_model", "sync_batchnorm", "unwrap"]
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.
@@ -22,14 +24,43 @@ from common.errors import UsageError, error_summary
 # warns that its implicit default will change, and refuses the flag with weights).
 _AUX_LOGITS_ARCHS = ("googlenet", "inception_v3")
 
+# The flag behind each builder setting, for the line that refuses a setting a model does not take (a TypeError).
+_SETTING_FLAGS = {"dropout": "--dropout", "drop_rate": "--dropout", "stochastic_depth_prob": "--drop-path",
+                  "drop_path_rate": "--drop-path"}
+
 
 def _input_size_kwargs(arch: str, image_size: int) -> dict:
-    """Transformers fix their input size at construction (torchvision's default: 224)."""
+    """Transformers fix their input size at construction (torchvision's default: 224; timm's: its
+    pretrained configuration's, fixed_input_size)."""
+    if is_timm(arch):
+        config = _timm().models.get_pretrained_cfg(arch[len(TIMM_PREFIX):])
+        return {"img_size": image_size} if config is not None and config.fixed_input_size else {}
     if arch.startswith("vit_"):
         return {"image_size": image_size}
     if arch.startswith("maxvit_"):
         return {"input_size": (image_size, image_size)}
     return {}
+
+
+def _regularisation_kwargs(arch: str, dropout: Optional[float], drop_path: Optional[float]) -> dict:
+    """--dropout and --drop-path in the builder's words: timm's drop_rate and drop_path_rate,
+    torchvision's dropout and stochastic_depth_prob; unset, the architecture's own defaults."""
+    names = ("drop_rate", "drop_path_rate") if is_timm(arch) else ("dropout", "stochastic_depth_prob")
+    return {name: value for name, value in zip(names, (dropout, drop_path)) if value is not None}
+
+
+def _timm():
+    """timm, imported only for a timm/ model (check_architecture said it is installed)."""
+    import timm
+
+    return timm
+
+
+def _construct(arch: str, num_classes: int, **kwargs) -> nn.Module:
+    """The architecture with random weights: torchvision's builder or timm.create_model."""
+    if is_timm(arch):
+        return _timm().create_model(arch[len(TIMM_PREFIX):], pretrained=False, num_classes=num_classes, **kwargs)
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
 
 # FFCV's BlurPool: only strided convolutions of at least this many input channels are blurred first (their
@@ -85,18 +116,21 @@ def _check_input_sizes(arch: str, num_classes: int, sizes: Sequence[Tuple[str, i
     cannot take is one line at start-up naming the flag that asks for it,
     not a traceback at the first step (or at the first validation);
     --blurpool's too (a blur needs maps of 2 pixels or more), and an
-    architecture it cannot apply to."""
+    architecture it cannot apply to; a --dropout or --drop-path the
+    builder does not take."""
     try:
         with torch.device("meta"):
-            twin = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+            twin = _construct(arch, num_classes, **kwargs)
             twin = (add_blurpool(twin, arch) if blurpool else twin).eval()
     except UsageError:  # --blurpool on an architecture without a strided convolution
         raise
     except NotImplementedError:  # an op without a meta implementation: the check cannot run, training will tell
         return
     except Exception as error:  # a setting it lacks (TypeError), a size it refuses (ViT's patches: AssertionError)
-        if isinstance(error, TypeError) and "dropout" in str(error):
-            raise UsageError(f"argument --dropout: {arch} has no dropout setting (leave --dropout out)") from None
+        setting = next((name for name in _SETTING_FLAGS if name in kwargs and f"'{name}'" in str(error)), None)
+        if isinstance(error, TypeError) and setting:
+            raise UsageError(f"argument {_SETTING_FLAGS[setting]}: {arch} has no {setting} setting "
+                             f"(leave {_SETTING_FLAGS[setting]} out)") from None
         raise UsageError(f"argument --image-size: {arch} cannot take {sizes[0][1]}-pixel images "
                          f"({error_summary(error)})") from None
     with_blurpool = " with --blurpool" if blurpool else ""
@@ -117,7 +151,7 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
     most architectures. Checked on the meta device, in training mode."""
     try:
         with torch.device("meta"):
-            twin = torchvision.models.get_model(arch, weights=None, **_input_size_kwargs(arch, image_size))
+            twin = _construct(arch, 1000, **_input_size_kwargs(arch, image_size))
             twin.train()(torch.empty(1, 3, image_size, image_size))
     except ValueError as error:  # "Expected more than 1 value per channel when training"
         if "value per channel" in str(error):
@@ -130,36 +164,45 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
 
 def build_model(arch: str, num_classes: int, pretrained: bool = False, image_size: int = 224,
                 dropout: Optional[float] = None, other_sizes: Sequence[Tuple[str, int]] = (),
-                blurpool: bool = False) -> nn.Module:
-    """A torchvision classifier with `num_classes` outputs for square
-    `image_size` inputs (and classifier `dropout`, when given; `blurpool`:
-    add_blurpool, after any pretrained weights are loaded); checked to
-    take the `other_sizes` too, (flag, side) pairs (config.CropSizes.model_inputs:
-    the validation crop, progressive resizing's smallest and largest crops).
+                blurpool: bool = False, drop_path: Optional[float] = None,
+                pretrained_file: Optional[str] = None) -> nn.Module:
+    """A classifier with `num_classes` outputs for square `image_size`
+    inputs (and classifier `dropout`, stochastic depth `drop_path`, when
+    given; `blurpool`: add_blurpool, after any pretrained weights are
+    loaded); checked to take the `other_sizes` too, (flag, side) pairs
+    (config.CropSizes.model_inputs: the validation crop, progressive
+    resizing's smallest and largest crops). torchvision's, or timm's for
+    `timm/NAME` (_timm_pretrained: its weights from `pretrained_file` or
+    Hugging Face's local cache).
 
     With `pretrained`, torchvision's default ImageNet weights are loaded from
     the torch hub cache (downloaded when the machine can); if the class count
     is not 1000 the last linear layer is replaced by a new, randomly
     initialised one, so the weights serve as a start for fine-tuning.
     """
-    if arch not in available_architectures():
-        raise UsageError(f"argument -a/--arch: unknown architecture {arch!r} (see --help for the list)")
+    check_architecture(arch)
+    settings = _regularisation_kwargs(arch, dropout, drop_path)
+    if is_timm(arch):
+        kwargs = {**_input_size_kwargs(arch, image_size), **settings}
+        _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
+        model = (_timm_pretrained(arch, num_classes, kwargs, pretrained_file) if pretrained or pretrained_file
+                 else _construct(arch, num_classes, **kwargs))
+        return add_blurpool(model, arch) if blurpool else model
     aux_off = {"aux_logits": False} if arch in _AUX_LOGITS_ARCHS else {}
     scratch = {**aux_off, "init_weights": True} if arch in _AUX_LOGITS_ARCHS else {}
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
-    dropout_kwargs = {"dropout": dropout} if dropout is not None else {}
-    kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **dropout_kwargs}
+    kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **settings}
     _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
     if not pretrained:
-        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+        model = _construct(arch, num_classes, **kwargs)
         return add_blurpool(model, arch) if blurpool else model
 
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     if cached.is_file():
         _refuse_code(cached)
     try:
-        model = torchvision.models.get_model(arch, weights=weights, **aux_off, **dropout_kwargs)
+        model = torchvision.models.get_model(arch, weights=weights, **aux_off, **settings)
     except Exception as error:  # no network, proxy refusal, partial download: all end the same way
         raise UsageError(
             f"argument --pretrained: the {arch} weights are not in {cached} and could not be downloaded "
@@ -168,6 +211,65 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     if num_classes != len(weights.meta["categories"]):
         _replace_last_linear(model, num_classes)
     return add_blurpool(model, arch) if blurpool else model
+
+
+def _timm_pretrained(arch: str, num_classes: int, kwargs: dict, pretrained_file: Optional[str]) -> nn.Module:
+    """A timm model built with timm's weights for it, read from
+    `pretrained_file` or Hugging Face's local cache (_timm_cached_weights):
+    timm's own loader, tensors only (weights_only), handed to create_model as
+    a state dict, so that timm adapts it (a ViT's position embedding to the
+    image size) and never looks at the network. A classifier of another class
+    count than the file's is left out, and made anew."""
+    timm, name = _timm(), arch[len(TIMM_PREFIX):]
+    flag, path = ("--pretrained-file", Path(pretrained_file)) if pretrained_file else (
+        "--pretrained", _timm_cached_weights(name))
+    try:
+        state = timm.models.load_state_dict(str(path), use_ema=False, weights_only=True)
+    except Exception as error:  # a pickle naming code, not a weights file, unreadable
+        raise UsageError(f"argument {flag}: {path} is not a plain weights file timm can read "
+                         f"({error_summary(error)})") from None
+    config = timm.models.get_pretrained_cfg(name)
+    classifier = config.classifier if config is not None else None
+    classifier = classifier[0] if isinstance(classifier, (tuple, list)) else classifier
+    head = state.get(f"{classifier}.weight") if classifier else None
+    overlay = {"state_dict": state, "num_classes": head.shape[0] if head is not None else num_classes}
+    try:
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, num_classes=num_classes,
+                                 **kwargs)
+    except Exception as error:  # names or shapes that are another model's
+        raise UsageError(f"argument {flag}: the weights in {path} do not fit {arch} "
+                         f"({error_summary(error)})") from None
+
+
+def _timm_cached_weights(name: str) -> Path:
+    """Where timm's weights for `name` (NAME or NAME.TAG) lie on this
+    machine: Hugging Face's cache (HF_HUB_CACHE, or HF_HOME/hub), then the
+    torch hub cache of its older URL. Never downloaded: a run must not wait
+    on the network, and the tests have none; missing, one line saying where
+    they were looked for and how to put them there."""
+    from huggingface_hub import constants, try_to_load_from_cache  # timm's own dependency
+
+    config = _timm().models.get_pretrained_cfg(name)
+    if config is None or not (config.hf_hub_id or config.url):
+        raise UsageError(f"argument --pretrained: timm publishes no weights for {name}; "
+                         f"give --pretrained-file PATH or leave --pretrained out")
+    looked = []
+    if config.hf_hub_id:
+        for filename in ([config.hf_hub_filename] if config.hf_hub_filename else
+                         ["model.safetensors", "open_clip_model.safetensors", "pytorch_model.bin"]):
+            found = try_to_load_from_cache(config.hf_hub_id, filename, cache_dir=constants.HF_HUB_CACHE)
+            if isinstance(found, str):  # else None, or a marker that the hub has no such file
+                return Path(found)
+        looked.append(str(Path(constants.HF_HUB_CACHE) / f"models--{config.hf_hub_id.replace('/', '--')}"))
+    if config.url:
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(config.url).path).name
+        if cached.is_file():
+            return cached
+        looked.append(str(cached))
+    fetch = f"huggingface-cli download {config.hf_hub_id}" if config.hf_hub_id else f"copy {config.url}"
+    raise UsageError(f"argument --pretrained: timm's weights for {name} are not in {' nor '.join(looked)} "
+                     f"(a run never downloads them); {fetch} on a machine with internet access, "
+                     f"or give --pretrained-file PATH")
 
 
 def _refuse_code(path: Path) -> None:
@@ -207,6 +309,15 @@ def uses_channels_last(memory_format: str, device: torch.device, policy) -> bool
     if memory_format != "auto":
         return memory_format == "channels_last"
     return device.type == "cpu" or policy.channels_last
+
+
+def sync_batchnorm(model: nn.Module, arch: str) -> nn.Module:
+    """--sync-bn: every BatchNorm a SyncBatchNorm. timm's own conversion for
+    its models: theirs fuse the activation into the norm (BatchNormAct2d),
+    which torch's conversion would drop."""
+    if is_timm(arch):
+        return _timm().layers.convert_sync_batchnorm(model)
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def compiled(model: nn.Module, enabled: bool) -> nn.Module:

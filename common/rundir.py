@@ -115,7 +115,8 @@ def default_run_name(cfg: Config, ctx: Context, when: datetime.datetime, host: s
     """<Mon><DD>_<HH-MM-SS>_<host>_<arch>_<gpu|cpu>x<world>_b<batch>_cpu<workers>_opt<level>,
     the upstream convention (<world> counts GPUs, or CPU processes; cpu<workers> counts
     data-loading workers)."""
-    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{cfg.arch}_{ctx.device_kind}x{ctx.replicas}"
+    arch = cfg.arch.replace("/", "-")  # timm/NAME: one folder, not a folder timm and NAME's under it
+    return (f"{when.strftime('%b%d_%H-%M-%S')}_{host}_{arch}_{ctx.device_kind}x{ctx.replicas}"
             f"_b{cfg.batch_size}_cpu{cfg.workers}_opt{cfg.opt_level}")
 
 

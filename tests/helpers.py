@@ -390,7 +390,7 @@ def memory_capped(extra_bytes: int = 2 << 30):
 def run_with_cached_architectures(code: str, cache_folder: Path) -> subprocess.CompletedProcess:
     """`python -c code` in a fresh interpreter whose architecture names come from
     a cache made here first (XDG_CACHE_HOME=cache_folder), as every start after a
-    torchvision version's first does: so that what the code imports is the
+    torchvision (and timm) version's first does: so that what the code imports is the
     command line's own doing (the torch-free checks), not the names' listing."""
     from unittest import mock
 
@@ -399,6 +399,7 @@ def run_with_cached_architectures(code: str, cache_folder: Path) -> subprocess.C
     environment = dict(os.environ, XDG_CACHE_HOME=str(cache_folder))
     with mock.patch.dict(os.environ, environment):
         assert architectures.available_architectures.__wrapped__()
+        architectures.timm_architectures.__wrapped__()  # timm's too, where installed (read for an unknown -a)
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True,
                           timeout=120)
 
