@@ -144,7 +144,8 @@ def dump_stacks_on_quit() -> None:
     the process goes on, instead of ending with a core dump: what a hang looks like from inside. The
     spawner asks it of a worker its peers gave up on, and of that worker's data-loading workers, which
     inherit the handler when forked, before it kills them (common.spawn)."""
-    faulthandler.register(signal.SIGQUIT, all_threads=True, chain=False)
+    # File descriptor 2, not sys.stderr: a stand-in for it (pytest's capture, a notebook) may have no descriptor.
+    faulthandler.register(signal.SIGQUIT, file=2, all_threads=True, chain=False)
 
 
 def children_of(pid: int) -> List[int]:
