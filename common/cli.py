@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from common import launcher, process_signals, recipes
 from common.architectures import available_architectures
 from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
-from common.config import MODES, OBJECT_STORE_SCHEMES, Config, is_sharded
+from common.config import MODES, OBJECT_STORE_SCHEMES, Config, is_sharded, report_files
 from common.errors import UsageError, error_summary, run_main
 from common.flags import build_parser
 
@@ -134,6 +134,7 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_augmentation_flags(ns)
     _check_machine_fits(ns)
     _check_output_paths(ns)
+    _check_evaluation_flags(ns)
     if not ns.synthetic:
         _check_dataset(ns)
     if ns.batch_size == 1 and not ns.evaluate:
@@ -268,10 +269,28 @@ def _check_output_paths(ns: argparse.Namespace) -> None:
         if not ns.evaluate:
             raise UsageError("argument --report-dir: only with --evaluate (training writes its per-class report "
                              "into the run directory)")
-        for name in ("val_report.csv", "confusion_matrix.npy"):
+        for name in report_files([name for name, _ in ns.eval_sets]):
             if _is(Path(ns.report_dir) / name, Path.exists, "--report-dir"):
                 raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
                                  f"choose another folder (nothing is overwritten)")
+
+
+def _check_evaluation_flags(ns: argparse.Namespace) -> None:
+    """--eval-set and --real-labels: only with --evaluate of real images; the sets' folders and the labels' file."""
+    for flag, given in (("--eval-set", ns.eval_sets), ("--real-labels", ns.real_labels)):
+        if given and not ns.evaluate:
+            raise UsageError(f"argument {flag}: only with --evaluate (training validates DATA's val/ only)")
+        if given and ns.synthetic:
+            raise UsageError(f"argument {flag}: not with --synthetic (its random images have no labels to score)")
+    names = [name for name, _ in ns.eval_sets]
+    for name, folder in ns.eval_sets:
+        if names.count(name) > 1:
+            raise UsageError(f"argument --eval-set: NAME {name} is given twice; each set needs its own name")
+        if not _is(Path(folder), Path.is_dir, "--eval-set"):
+            raise UsageError(f"argument --eval-set: {name}={folder}: no such directory (the set's folder, holding "
+                             f"{folder}/<class>/<images>)")
+    if ns.real_labels is not None and not _is(Path(ns.real_labels), Path.is_file, "--real-labels"):
+        raise UsageError(f"argument --real-labels: no such file: {ns.real_labels} (ImageNet-ReaL's real.json)")
 
 
 def _check_dataset(ns: argparse.Namespace) -> None:
