@@ -174,7 +174,7 @@ class Config:
     model_ema: bool = False
     model_ema_steps: int = 32  # optimizer steps between updates of the average, counted over the run
     model_ema_decay: float = 0.99998  # per update, before torchvision's adjustment for batch, steps and epochs
-    # --evaluate on more labelled sets and labels (common.evaluation; docs/evaluation.md):
+    # --evaluate on more labelled sets and labels (common.evaluation; docs/outputs.md):
     eval_sets: Tuple[Tuple[str, str], ...] = ()  # --eval-set NAME=DIR, each (NAME, DIR), in the command line's order
     real_labels: Optional[str] = None  # ImageNet-ReaL's real.json, scored on the validation split; None: not scored
 

@@ -1,4 +1,4 @@
-"""--evaluate's scores beyond DATA's validation split (docs/evaluation.md):
+"""--evaluate's scores beyond DATA's validation split (docs/outputs.md):
 other labelled sets in the ImageFolder layout (--eval-set NAME=DIR, e.g.
 ImageNet-V2's three folders, whose class folders are named by class index),
 and ImageNet-ReaL's multi-label top-1 of the validation split (--real-labels

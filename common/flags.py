@@ -390,13 +390,14 @@ def _add_measurement_flags(group) -> None:
                             f"every SECONDS (at least {MIN_IO_INTERVAL_SECONDS:g}) into io.csv, on one process per "
                             f"node; 0: off")
     group.add_argument("--report-dir", default=None, metavar="DIR",
-                       help="with --evaluate: write the per-class report (val_report.csv, "
-                            "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
+                       help="with --evaluate: write the per-class report (val_report.csv, confusion_matrix.npy), "
+                            "evaluation.csv (every set's figures), predictions.csv (each validation image's guess) "
+                            "and each --eval-set's report into DIR; training runs write theirs into the run directory")
     group.add_argument("--eval-set", dest="eval_sets", type=_eval_set, action="append", default=[],
                        metavar="NAME=DIR",
                        help="with --evaluate: also score the labelled set DIR in the ImageFolder layout "
                             "(DIR/<class>/<images>: class folders named as the training classes, or all named by "
-                            "class index, as ImageNet-V2's 0..999), as NAME; repeatable (docs/evaluation.md)")
+                            "class index, as ImageNet-V2's 0..999), as NAME; repeatable (docs/outputs.md)")
     group.add_argument("--real-labels", default=None, metavar="REAL_JSON",
                        help="with --evaluate: also score the validation split's top-1 against ImageNet-ReaL's "
                             "labels (real.json; its files named ILSVRC2012_val_<8 digits>.JPEG): right if the "
