@@ -50,6 +50,7 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     values = {dest: tuple(value) if isinstance(value, list) else value for dest, value in vars(ns).items()}
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
+    values["eval_sets"] = values["eval_sets"] or ()  # argparse's append: None when never given
     return Config(mode=mode, recipe_overridden=overridden, **values)
 
 
@@ -269,7 +270,7 @@ def _check_output_paths(ns: argparse.Namespace) -> None:
         if not ns.evaluate:
             raise UsageError("argument --report-dir: only with --evaluate (training writes its per-class report "
                              "into the run directory)")
-        for name in report_files([name for name, _ in ns.eval_sets]):
+        for name in report_files([name for name, _ in ns.eval_sets or ()]):
             if _is(Path(ns.report_dir) / name, Path.exists, "--report-dir"):
                 raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
                                  f"choose another folder (nothing is overwritten)")
@@ -282,8 +283,8 @@ def _check_evaluation_flags(ns: argparse.Namespace) -> None:
             raise UsageError(f"argument {flag}: only with --evaluate (training validates DATA's val/ only)")
         if given and ns.synthetic:
             raise UsageError(f"argument {flag}: not with --synthetic (its random images have no labels to score)")
-    names = [name for name, _ in ns.eval_sets]
-    for name, folder in ns.eval_sets:
+    names = [name for name, _ in ns.eval_sets or ()]
+    for name, folder in ns.eval_sets or ():
         if names.count(name) > 1:
             raise UsageError(f"argument --eval-set: NAME {name} is given twice; each set needs its own name")
         if not _is(Path(folder), Path.is_dir, "--eval-set"):

@@ -393,7 +393,7 @@ def _add_measurement_flags(group) -> None:
                        help="with --evaluate: write the per-class report (val_report.csv, confusion_matrix.npy), "
                             "evaluation.csv (every set's figures), predictions.csv (each validation image's guess) "
                             "and each --eval-set's report into DIR; training runs write theirs into the run directory")
-    group.add_argument("--eval-set", dest="eval_sets", type=_eval_set, action="append", default=[],
+    group.add_argument("--eval-set", dest="eval_sets", type=_eval_set, action="append", default=None,
                        metavar="NAME=DIR",
                        help="with --evaluate: also score the labelled set DIR in the ImageFolder layout "
                             "(DIR/<class>/<images>: class folders named as the training classes, or all named by "
