@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import imagenet_nd
+from common.errors import UsageError
 from common.rundir import CHECKPOINT_NAME
 from helpers import FAST_ARGS, MODEL, REPO, finish, make_image_folder, single_run_dir, start
 
@@ -56,7 +57,8 @@ def evaluation_rows(report_dir):
 def test_real_top1_and_an_index_named_set_score_as_computed_by_hand(tmp_path, capsys):
     data = imagenet_named(make_image_folder(tmp_path / "data"))  # 9 validation images
     imagenet_nd.main([str(data), *FAST_ARGS, "--epochs", "1", "--logdir", str(tmp_path / "runs")])
-    evaluate = [str(data), *FAST_ARGS, "--evaluate", "--resume", str(single_run_dir(tmp_path / "runs") / CHECKPOINT_NAME)]
+    checkpoint = single_run_dir(tmp_path / "runs") / CHECKPOINT_NAME
+    evaluate = [str(data), *FAST_ARGS, "--evaluate", "--resume", str(checkpoint)]
     imagenet_nd.main([*evaluate, "--report-dir", str(tmp_path / "first")])
     guesses = guesses_of(tmp_path / "first")
     assert len(guesses) == 9 and min(guesses) >= 0
@@ -83,6 +85,18 @@ def test_real_top1_and_an_index_named_set_score_as_computed_by_hand(tmp_path, ca
     assert (rows[0]["real_correct"], rows[0]["real_counted"], rows[0]["real_left_out"]) == ("3", "7", "2")
     assert rows[0]["real_top1"] == "42.8571" and "real_top1" not in rows[1]
     assert guesses_of(second) == guesses
+    # Mistakes found in the labels or a set end the run before any validation pass, writing nothing.
+    (tmp_path / "short.json").write_text(json.dumps([[0]] * 8))
+    (v2 / "cats").mkdir()
+    for extra, message in ((["--real-labels", str(tmp_path / "short.json")],
+                            "ILSVRC2012_val_00000009.JPEG is number 9, past the file's 8 entries"),
+                           (["--eval-set", f"v2={v2}"],
+                            f"argument --eval-set: {v2 / 'cats'}: the class folder 'cats' is neither")):
+        capsys.readouterr()
+        with pytest.raises(UsageError, match=re.escape(message)):
+            imagenet_nd.main([*evaluate, *extra, "--report-dir", str(tmp_path / "third")])
+        out = capsys.readouterr().out
+        assert "validation:" not in out and "val   epoch" not in out and not (tmp_path / "third").exists()
 
 
 @pytest.mark.slow
