@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from common import launcher, process_signals, recipes
 from common.architectures import check_architecture, is_timm
 from common.arguments import check_batch_fits, check_fits_in_memory, did_you_mean, memory_bytes
-from common.config import MODES, OBJECT_STORE_SCHEMES, TRACKERS_REQUIREMENTS, Config, is_sharded
+from common.config import MODES, OBJECT_STORE_SCHEMES, TRACKERS_REQUIREMENTS, Config, is_sharded, report_files
 from common.errors import UsageError, error_summary, run_main
 from common.flags import build_parser
 
@@ -52,6 +52,7 @@ def parse(mode: str, argv: Optional[Sequence[str]] = None) -> Config:
     values.pop("multiprocessing_distributed", None)  # a no-op kept for pytorch/examples command lines
     values["checkpoint_every_steps"], values["checkpoint_every_minutes"] = values.pop("checkpoint_every")
     values["trackers"] = tuple(dict.fromkeys(values["trackers"] or ()))  # each once, in the order given
+    values["eval_sets"] = values["eval_sets"] or ()  # argparse's append: None when never given
     return Config(mode=mode, recipe_overridden=overridden, **values)
 
 
@@ -138,6 +139,7 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_machine_fits(ns)
     _check_output_paths(ns)
     _check_trackers(ns.trackers or (), ns.evaluate)
+    _check_evaluation_flags(ns)
     if not ns.synthetic:
         _check_dataset(ns)
     if ns.batch_size == 1 and not ns.evaluate:
@@ -275,10 +277,28 @@ def _check_output_paths(ns: argparse.Namespace) -> None:
         if not ns.evaluate:
             raise UsageError("argument --report-dir: only with --evaluate (training writes its per-class report "
                              "into the run directory)")
-        for name in ("val_report.csv", "confusion_matrix.npy"):
+        for name in report_files([name for name, _ in ns.eval_sets or ()]):
             if _is(Path(ns.report_dir) / name, Path.exists, "--report-dir"):
                 raise UsageError(f"argument --report-dir: {Path(ns.report_dir) / name} exists; "
                                  f"choose another folder (nothing is overwritten)")
+
+
+def _check_evaluation_flags(ns: argparse.Namespace) -> None:
+    """--eval-set and --real-labels: only with --evaluate of real images; the sets' folders and the labels' file."""
+    for flag, given in (("--eval-set", ns.eval_sets), ("--real-labels", ns.real_labels)):
+        if given and not ns.evaluate:
+            raise UsageError(f"argument {flag}: only with --evaluate (training validates DATA's val/ only)")
+        if given and ns.synthetic:
+            raise UsageError(f"argument {flag}: not with --synthetic (its random images have no labels to score)")
+    names = [name for name, _ in ns.eval_sets or ()]
+    for name, folder in ns.eval_sets or ():
+        if names.count(name) > 1:
+            raise UsageError(f"argument --eval-set: NAME {name} is given twice; each set needs its own name")
+        if not _is(Path(folder), Path.is_dir, "--eval-set"):
+            raise UsageError(f"argument --eval-set: {name}={folder}: no such directory (the set's folder, holding "
+                             f"{folder}/<class>/<images>)")
+    if ns.real_labels is not None and not _is(Path(ns.real_labels), Path.is_file, "--real-labels"):
+        raise UsageError(f"argument --real-labels: no such file: {ns.real_labels} (ImageNet-ReaL's real.json)")
 
 
 def _check_dataset(ns: argparse.Namespace) -> None:

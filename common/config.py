@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 # The parallelism modes, one per entry script (imagenet_<mode>.py).
 MODES = ("nd", "dp", "ddp", "ddp_apex")
@@ -185,6 +185,9 @@ class Config:
     # torchvision's stochastic_depth_prob); None: the architecture's own default
     drop_path: Optional[float] = None
     pretrained_file: Optional[str] = None  # a timm model's starting weights, read from this local file
+    # --evaluate on more labelled sets and labels (common.evaluation; docs/outputs.md):
+    eval_sets: Tuple[Tuple[str, str], ...] = ()  # --eval-set NAME=DIR, each (NAME, DIR), in the command line's order
+    real_labels: Optional[str] = None  # ImageNet-ReaL's real.json, scored on the validation split; None: not scored
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -194,6 +197,15 @@ class Config:
         """The training crop of each epoch and the validation crop, resolved."""
         return CropSizes(self.image_size, self.val_crop_size or self.image_size, self.progressive_resizing,
                          self.progressive_step)
+
+
+def report_files(eval_set_names: Sequence[str]) -> Tuple[str, ...]:
+    """The files --evaluate writes into --report-dir, none of which may exist
+    before (nothing is overwritten): DATA's validation split's per-class report,
+    evaluation.csv (a row per set and weights), predictions.csv (the validation
+    split's per image) and each --eval-set NAME's per-class report."""
+    per_set = [f"{name}_{kind}" for name in eval_set_names for kind in ("report.csv", "confusion_matrix.npy")]
+    return ("val_report.csv", "confusion_matrix.npy", "evaluation.csv", "predictions.csv", *per_set)
 
 
 def progressive_crop_size(epoch: int, min_px: int, max_px: int, start_epoch: int, end_epoch: int,

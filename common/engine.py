@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import random
 import time
@@ -385,11 +386,14 @@ class Trainer:
                 self.log.info(note)
 
     @torch.no_grad()
-    def validate(self, loaders: Loaders, epoch: int, averaged: bool = False) -> Tuple[EpochMetrics, ClassReport]:
+    def validate(self, loaders: Loaders, epoch: int, averaged: bool = False,
+                 predictions=None) -> Tuple[EpochMetrics, ClassReport]:
         """Loss, top-1/top-5 and the per-class report over the whole
         validation set, each image counted once whatever the number of
         processes (the confusion matrix is summed over them). `averaged`:
-        of --model-ema's average (split "val_ema"), not of the model."""
+        of --model-ema's average (split "val_ema"), not of the model.
+        `predictions` (--evaluate: common.evaluation.Predictions) gets each
+        readable image's dataset index and logits."""
         model, split = self._validated_model(averaged), "val_ema" if averaged else "val"
         model.eval()
         val_size = self._input_size(epoch, "val")
@@ -399,13 +403,15 @@ class Trainer:
         progress = self.log.progress_meter(split, epoch, steps)
         timer = StepTimer(loaders.primary_val_steps(), self.warmup_steps, self.ctx.devices)
         bad_images = BadImages(loader.dataset)
+        order = iter(loader.sampler)  # the dataset indices of this process's batches, in turn (ShardSampler)
         for step, batch in enumerate(self._input(loaders.batches("val"), loaders.dali)):
             timer.batch_ready()
             images, target = batch.image, batch.target
+            indices = torch.tensor(list(itertools.islice(order, len(target))), dtype=torch.int64)
             files = batch_reads(batch, bad_images)
             if files["bad_images"]:  # stand-ins for unreadable files: validation counts each readable image once
                 readable = (batch.bad_index < 0).to(images.device)
-                images, target = images[readable], target[readable]
+                images, target, indices = images[readable], target[readable], indices[readable.cpu()]
             if len(target):
                 with self.precision.autocast():
                     logits = model(images)
@@ -413,6 +419,8 @@ class Trainer:
                         logits = (logits + model(torch.flip(images, dims=[3]))) / 2
                     loss = self.criterion(logits, target)
                 sums.add(loss, logits, target, timed=timer.timing, **files)
+                if predictions is not None:
+                    predictions.add(indices, logits)
             else:
                 sums.add_files(**files)
             if self._should_print(step, steps):

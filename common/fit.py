@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from common import measure, preemption
 from common.checkpoint import Checkpointer, ResumePoint
@@ -85,13 +85,15 @@ class Validation:
         return self.ema.top1 if self.source == "ema" else self.val.top1
 
 
-def validate(trainer: Trainer, loaders: Loaders, epoch: int, averaged: bool) -> Validation:
+def validate(trainer: Trainer, loaders: Loaders, epoch: int, averaged: bool, predictions: Sequence = ()) -> Validation:
     """The model validated, and `averaged`: --model-ema's average beside it
-    (a second pass over the same images, each counted once as in the first)."""
-    val, report = trainer.validate(loaders, epoch)
+    (a second pass over the same images, each counted once as in the first);
+    `predictions`: each pass's per-image record (--evaluate: common.evaluation)."""
+    model_predictions, ema_predictions = (*predictions, None, None)[:2]
+    val, report = trainer.validate(loaders, epoch, predictions=model_predictions)
     if not averaged:
         return Validation(val, report)
-    ema, ema_report = trainer.validate(loaders, epoch, averaged=True)
+    ema, ema_report = trainer.validate(loaders, epoch, averaged=True, predictions=ema_predictions)
     if ema.top1 > val.top1:
         return Validation(val, ema_report, ema, "ema")
     return Validation(val, report, ema, "model")

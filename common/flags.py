@@ -9,6 +9,7 @@ common.architectures' cache, the choices from common.config.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import textwrap
 from typing import Tuple, Union
@@ -404,8 +405,18 @@ def _add_measurement_flags(group) -> None:
                             f"every SECONDS (at least {MIN_IO_INTERVAL_SECONDS:g}) into io.csv, on one process per "
                             f"node; 0: off")
     group.add_argument("--report-dir", default=None, metavar="DIR",
-                       help="with --evaluate: write the per-class report (val_report.csv, "
-                            "confusion_matrix.npy) into DIR; training runs write theirs into the run directory")
+                       help="with --evaluate: write the per-class report (val_report.csv, confusion_matrix.npy), "
+                            "evaluation.csv (every set's figures), predictions.csv (each validation image's guess) "
+                            "and each --eval-set's report into DIR; training runs write theirs into the run directory")
+    group.add_argument("--eval-set", dest="eval_sets", type=_eval_set, action="append", default=None,
+                       metavar="NAME=DIR",
+                       help="with --evaluate: also score the labelled set DIR in the ImageFolder layout "
+                            "(DIR/<class>/<images>: class folders named as the training classes, or all named by "
+                            "class index, as ImageNet-V2's 0..999), as NAME; repeatable (docs/outputs.md)")
+    group.add_argument("--real-labels", default=None, metavar="REAL_JSON",
+                       help="with --evaluate: also score the validation split's top-1 against ImageNet-ReaL's "
+                            "labels (real.json; its files named ILSVRC2012_val_<8 digits>.JPEG): right if the "
+                            "prediction is any real label; images without one are left out and counted")
     group.add_argument("--tracker", dest="trackers", action="append", choices=TRACKERS, default=None,
                        help=f"also send the run's parameters (config.json's), per-epoch figures (metrics.csv's "
                             f"columns as <split>_<column>, step: the epoch) and, at the end, its reports to an "
@@ -430,6 +441,21 @@ def _io_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected 0 (off) or at least {MIN_IO_INTERVAL_SECONDS:g} seconds, "
                                          f"got {text}")
     return value
+
+
+def _eval_set(text: str) -> Tuple[str, str]:
+    """NAME=DIR: NAME names the set's lines and report files (NAME_report.csv), so it is a plain file name."""
+    name, equals, folder = text.partition("=")
+    if not equals or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    if not EVAL_SET_NAME.fullmatch(name) or name == "val":
+        raise argparse.ArgumentTypeError(f"NAME {name!r}: letters, digits, '.', '_' and '-', starting with a letter "
+                                         f"or digit, and not 'val' (DATA's validation split)")
+    return name, folder
+
+
+# --eval-set's NAME: a file name's start (NAME_report.csv), no path, no option.
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _checkpoint_interval(text: str) -> Tuple[int, float]:

@@ -24,7 +24,8 @@ from common.distributed import Context, broadcast_from_primary
 from common.ema import ModelEMA, adjusted_decay, describe as describe_ema
 from common.engine import Trainer
 from common.errors import UsageError
-from common.fit import FitResult, fit, validate
+from common.evaluation import evaluate
+from common.fit import FitResult, fit
 from common.loss_guard import LossGuard
 from common.models import uses_channels_last
 from common.preemption import StopControl
@@ -112,9 +113,8 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
         # No run directory, so no lock: it writes none, and can check a checkpoint of a run in progress
         # (saves replace files by rename, so it reads a whole one).
         start = resume(auto_run_directory(cfg) if cfg.resume == "auto" else None)
-        validated = validate(trainer(None), loaders, start.start_epoch, averaged=start.has_ema)  # both, if saved
-        log.evaluation(validated.val, validated.report, loaders.classes, report_dir=cfg.report_dir, ema=validated.ema,
-                       report_source=validated.source)
+        # The model, and the checkpoint's --model-ema average too if it holds one, on every set
+        evaluate(trainer(None), loaders, start.start_epoch, start.has_ema, cfg, ctx, log)
         return None
     checkpoint_bytes = checkpoint.expected_bytes(model, optimizer, ema)  # checked against the free space
     # Opened and locked before the resume reads from it: a checkpoint another run is still writing is never read.

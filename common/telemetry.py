@@ -460,22 +460,22 @@ class RunLog:
         self.info(one_line(f"epoch {epoch} {split}: {count} unreadable image file(s) {what} "
                            f"(--bad-images skip): {where}"))
 
-    def evaluation(self, val: EpochMetrics, report: ClassReport, classes: List[str],
-                   report_dir: Optional[str] = None, ema: Optional[EpochMetrics] = None,
-                   report_source: str = "model") -> None:
-        """--evaluate's lines: the model's validation, and `ema`, the checkpoint's --model-ema average's if
-        it holds one; `report`: `report_source`'s (the better top-1's), written into `report_dir`."""
+    def evaluation(self, val: EpochMetrics, report: ClassReport, classes: List[str], report_dir: Optional[str] = None,
+                   ema: Optional[EpochMetrics] = None, report_source: str = "model", set_name: str = "") -> None:
+        """--evaluate's lines: the model's validation (of --eval-set `set_name`), and `ema`, the checkpoint's
+        --model-ema average's if it holds one; `report`: `report_source`'s (the better top-1's), into `report_dir`."""
         for row in (val, ema) if ema is not None else (val,):
-            self.info(f"validation{' of the EMA' if row is ema else ''}: loss {row.loss:.4f}  top1 {row.top1:.2f}% "
-                      f"({round(row.top1 * row.images / 100)}/{row.images})  top5 {row.top5:.2f}%  macro-F1 "
-                      f"{row.macro_f1:.2f}%  ({row.images} images in {row.seconds:.1f} s)")
+            self.info(f"{f'eval set {set_name}' if set_name else 'validation'}{' of the EMA' if row is ema else ''}: "
+                      f"loss {row.loss:.4f}  top1 {row.top1:.2f}% ({round(row.top1 * row.images / 100)}/{row.images})  "
+                      f"top5 {row.top5:.2f}%  macro-F1 {row.macro_f1:.2f}%  ({row.images} images in "
+                      f"{row.seconds:.1f} s)")
         if self.is_primary and report_dir is not None:
-            folder = Path(report_dir)
+            folder, prefix = Path(report_dir), f"{set_name}_" if set_name else ""  # val/: val_report.csv
             folder.mkdir(parents=True, exist_ok=True)
-            write_class_report(report, classes, val.epoch, folder / "val_report.csv", folder / "confusion_matrix.npy")
+            csv_path, npy_path = folder / f"{prefix or 'val_'}report.csv", folder / f"{prefix}confusion_matrix.npy"
+            write_class_report(report, classes, val.epoch, csv_path, npy_path)
             whose = f" of the {'EMA' if report_source == 'ema' else 'model'}" if ema is not None else ""
-            self.info(f"per-class report{whose}: {folder / 'val_report.csv'} (confusion counts: "
-                      f"{folder / 'confusion_matrix.npy'})")
+            self.info(f"per-class report{whose}: {csv_path} (confusion counts: {npy_path})")
 
     def finish(self, result, stopped: bool = False) -> None:
         """The closing lines: how long, how good, and where everything is.

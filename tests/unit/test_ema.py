@@ -282,7 +282,7 @@ def test_the_average_has_rows_of_its_own_that_the_tools_do_not_read_as_the_model
 def test_validation_picks_the_better_top1_and_its_report():
     reports = {False: "model's report", True: "EMA's report"}
     top1 = {False: 60.0, True: 70.0}
-    trainer = types.SimpleNamespace(validate=lambda loaders, epoch, averaged=False: (
+    trainer = types.SimpleNamespace(validate=lambda loaders, epoch, averaged=False, predictions=None: (
         _row("val_ema" if averaged else "val", top1[averaged]), reports[averaged]))
     both = fit.validate(trainer, None, 0, averaged=True)
     assert (both.source, both.top1, both.report, both.ema.split) == ("ema", 70.0, "EMA's report", "val_ema")
