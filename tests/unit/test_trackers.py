@@ -1,6 +1,6 @@
 """common.trackers: the parameters and metrics a tracker gets, a failing
 tracker as one warning, MLflow's local store and W&B offline in this
-process (a real server: tests/e2e/test_trackers.py), and --tracker's checks."""
+process (a real server: tests/e2e/test_tracked_runs.py), and --tracker's checks."""
 from __future__ import annotations
 
 import dataclasses
