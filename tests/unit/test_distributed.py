@@ -226,6 +226,25 @@ def _stop_itself():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _watch_beside_a_peer_that_gave_up(silent, peer_name: str) -> int:
+    """spawn._watch over `silent` (started, never exiting by itself) and a forked peer that exits as one that
+    lost a peer; `silent` killed afterwards whatever happened. Returns the spawner's exit status."""
+    import multiprocessing
+
+    from common import spawn
+
+    peer = multiprocessing.get_context("fork").Process(target=_exit_losing_a_peer, name=peer_name)
+    peer.start()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            spawn._watch(sorted([silent, peer], key=lambda process: process.name), roll_call_seconds=0.0,
+                         dist_timeout=7.0)
+    finally:
+        silent.kill()
+        silent.join()
+    return ended.value.code
+
+
 def test_the_launcher_names_the_worker_that_stopped_answering_not_the_peer_that_gave_up_on_it(monkeypatch, capsys):
     import multiprocessing
     import time
@@ -240,15 +259,7 @@ def test_the_launcher_names_the_worker_that_stopped_answering_not_the_peer_that_
     deadline = time.monotonic() + 60
     while not is_stopped(stopped.pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    peer = fork.Process(target=_exit_losing_a_peer, name="rank0")
-    peer.start()
-    try:
-        with pytest.raises(SystemExit) as ended:
-            spawn._watch([peer, stopped], roll_call_seconds=0.0, dist_timeout=7.0)
-    finally:
-        stopped.kill()
-        stopped.join()
-    assert ended.value.code == 4 and stopped.exitcode == -9  # killed: its peers are gone
+    assert _watch_beside_a_peer_that_gave_up(stopped, "rank0") == 4 and stopped.exitcode == -9  # killed: peers gone
     assert capsys.readouterr().err.splitlines() == [
         f"{spawn.program()}: error: worker rank1 stopped answering (its state: stopped by a signal, SIGSTOP or "
         f"SIGTSTP?): its peers gave up on it after --dist-timeout 7 s; killed it and stopped the other workers of "
@@ -304,15 +315,7 @@ def test_the_launcher_writes_the_stacks_of_a_worker_that_stopped_answering_and_i
     assert ready.wait(120) and child_ready.wait(120)
     children = children_of(silent.pid)
     assert len(children) == 1
-    peer = fork.Process(target=_exit_losing_a_peer, name="rank1")
-    peer.start()
-    try:
-        with pytest.raises(SystemExit) as ended:
-            spawn._watch([silent, peer], roll_call_seconds=0.0, dist_timeout=7.0)
-    finally:
-        silent.kill()
-        silent.join()
-    assert ended.value.code == 4 and silent.exitcode == -9
+    assert _watch_beside_a_peer_that_gave_up(silent, "rank1") == 4 and silent.exitcode == -9
     err = capfd.readouterr().err
     lines = err.splitlines()
     assert lines[0] == (f"{spawn.program()}: error: worker rank0 stopped answering: its peers gave up on it after "
