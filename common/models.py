@@ -16,7 +16,7 @@ from torch.nn import functional
 from common.architectures import TIMM_PREFIX, available_architectures, check_architecture, is_timm
 from common.errors import UsageError, error_summary
 
-__all__ = ["available_architectures", "build_model", "sync_batchnorm", "unwrap"]
+__all__ = ["available_architectures", "build_model", "input_size_kwargs", "sync_batchnorm", "unwrap"]
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.
@@ -29,7 +29,7 @@ _SETTING_FLAGS = {"dropout": "--dropout", "drop_rate": "--dropout", "stochastic_
                   "drop_path_rate": "--drop-path"}
 
 
-def _input_size_kwargs(arch: str, image_size: int) -> dict:
+def input_size_kwargs(arch: str, image_size: int) -> dict:
     """Transformers fix their input size at construction (torchvision's default: 224; timm's: its
     pretrained configuration's, fixed_input_size)."""
     if is_timm(arch):
@@ -151,7 +151,7 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
     most architectures. Checked on the meta device, in training mode."""
     try:
         with torch.device("meta"):
-            twin = _construct(arch, 1000, **_input_size_kwargs(arch, image_size))
+            twin = _construct(arch, 1000, **input_size_kwargs(arch, image_size))
             twin.train()(torch.empty(1, 3, image_size, image_size))
     except ValueError as error:  # "Expected more than 1 value per channel when training"
         if "value per channel" in str(error):
@@ -183,7 +183,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     check_architecture(arch)
     settings = _regularisation_kwargs(arch, dropout, drop_path)
     if is_timm(arch):
-        kwargs = {**_input_size_kwargs(arch, image_size), **settings}
+        kwargs = {**input_size_kwargs(arch, image_size), **settings}
         _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
         model = (_timm_pretrained(arch, num_classes, kwargs, pretrained_file) if pretrained or pretrained_file
                  else _construct(arch, num_classes, **kwargs))
@@ -192,7 +192,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     scratch = {**aux_off, "init_weights": True} if arch in _AUX_LOGITS_ARCHS else {}
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
-    kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **settings}
+    kwargs = {**scratch, **input_size_kwargs(arch, built_size), **settings}
     _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
     if not pretrained:
         model = _construct(arch, num_classes, **kwargs)

@@ -40,6 +40,7 @@ import torchvision
 from torch import nn
 
 from common import checkpoint, models
+from common.architectures import TIMM_PREFIX, is_timm
 from common.arguments import Parser, int_at_least, positive_float
 from common.config import RECIPE_OPTIONS
 from common.errors import ReportedError, UsageError, error_summary, run_main
@@ -353,12 +354,12 @@ def loading_code(format_name: str, exported: Exported) -> str:
     if format_name == "torchscript":
         return "torch.jit.load(FILE).eval()(images)"
     arch, classes, options = exported.state["arch"], len(exported.state["classes"]), exported.options
-    if arch.startswith("timm/"):
-        builder = f"timm.create_model({arch[len('timm/'):]!r}, num_classes={classes})"
+    # The input size the model was built for (a ViT's position embedding has its shape), as build() builds it.
+    sizes = models.input_size_kwargs(arch, options["image_size"])
+    extra = "".join(f", {name}={value!r}" for name, value in sizes.items())
+    if is_timm(arch):
+        builder = f"timm.create_model({arch[len(TIMM_PREFIX):]!r}, num_classes={classes}{extra})"
     else:
-        size = {"vit_": f", image_size={options['image_size']}", "maxvit_": f", input_size=({options['image_size']}, "
-                f"{options['image_size']})"}
-        extra = next((text for prefix, text in size.items() if arch.startswith(prefix)), "")
         builder = f"torchvision.models.get_model({arch!r}, num_classes={classes}{extra})"
     code = f"model = {builder}; model.load_state_dict(safetensors.torch.load_file(FILE)); model.eval()"
     if options.get("blurpool"):
