@@ -18,7 +18,7 @@ inputs (safetensors: loaded into a fresh model; ONNX: through onnxruntime;
 TorchScript: torch.jit.load) and its logits must equal the checkpoint's
 model's within T x max(1, the largest logit); else exit 1 and nothing is
 written. Each format's package (requirements-export.txt) is imported only
-when chosen. docs/export.md says how each file loads.
+when chosen. docs/outputs.md ("Weights to ship") says how each file loads.
 """
 from __future__ import annotations
 
