@@ -4,6 +4,7 @@ from published weights, with FFCV's BlurPool when asked, and the helper that
 finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 from urllib.parse import urlparse
@@ -266,10 +267,19 @@ def _timm_cached_weights(name: str) -> Path:
         if cached.is_file():
             return cached
         looked.append(str(cached))
-    fetch = f"huggingface-cli download {config.hf_hub_id}" if config.hf_hub_id else f"copy {config.url}"
+    fetch = f"{_hub_download_command()} {config.hf_hub_id}" if config.hf_hub_id else f"copy {config.url}"
     raise UsageError(f"argument --pretrained: timm's weights for {name} are not in {' nor '.join(looked)} "
                      f"(a run never downloads them); {fetch} on a machine with internet access, "
                      f"or give --pretrained-file PATH")
+
+
+def _hub_download_command() -> str:
+    """The installed huggingface_hub's download command: `hf download` since 0.34; huggingface_hub 1.0
+    removed `huggingface-cli`, which older ones alone have."""
+    import huggingface_hub
+
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", huggingface_hub.__version__)[:2])
+    return "hf download" if major_minor >= (0, 34) else "huggingface-cli download"
 
 
 def _refuse_code(path: Path) -> None:
