@@ -40,7 +40,7 @@ import torchvision
 from torch import nn
 
 from common import checkpoint, models
-from common.architectures import TIMM_PREFIX, is_timm
+from common.architectures import TIMM_PREFIX, check_architecture, is_timm
 from common.arguments import Parser, int_at_least, positive_float
 from common.config import RECIPE_OPTIONS
 from common.errors import ReportedError, UsageError, error_summary, run_main
@@ -176,6 +176,11 @@ def read_checkpoint(path: Path, weights: str) -> Exported:
     if not state.get("classes") or not isinstance(state.get("config"), dict) or "arch" not in state:
         raise UsageError(f"argument {SOURCE}: {path} holds no class names, options or architecture (a checkpoint "
                          f"of another trainer?); export reads them from this project's checkpoints")
+    try:  # this installation builds the model: its zoo has the name (timm is installed for a timm/ one)
+        check_architecture(state["arch"])
+    except UsageError as error:  # the line names -a/--arch, which export lacks
+        raise UsageError(f"argument {SOURCE}: {path} holds a {state['arch']} model: "
+                         f"{str(error).removeprefix('argument -a/--arch: ')}") from None
     if weights == "ema" and not state.get("model_ema"):
         raise UsageError(f"argument --weights: {path} holds no --model-ema average; export --weights model")
     return Exported(path, state, weights, state["model_ema"]["state_dict"] if weights == "ema" else state["state_dict"])
