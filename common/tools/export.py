@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import sys
@@ -378,7 +379,9 @@ def make_card(format_name: str, out: Path, data: bytes, exported: Exported, chec
               packages: dict) -> dict:
     state, options = exported.state, exported.options
     provenance = code_and_command(exported)
-    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__,
+    # timm's too for its models: their module names, which the weights' names follow, are its version's.
+    timm_version = {"timm": importlib.metadata.version("timm")} if is_timm(state["arch"]) else {}
+    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__, **timm_version,
                 **{name: getattr(module, "__version__", None) for name, module in packages.items()}}
     return {
         "format": format_name, "file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),

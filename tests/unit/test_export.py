@@ -389,6 +389,7 @@ def test_a_timm_vits_card_code_loads_its_safetensors_at_the_runs_image_size(tmp_
     _, model = _write_timm_run(tmp_path / "run")
     out, card, _ = exported(tmp_path, tmp_path / "run", "safetensors")
     assert card["loads_with"].startswith("model = timm.create_model('test_vit', num_classes=3, img_size=32); ")
+    assert card["versions"]["timm"] == timm.__version__  # the version whose module names the weights follow
     plain = {"timm": timm, "safetensors": sys.modules["safetensors"], "FILE": str(out)}
     exec(card["loads_with"], plain)  # noqa: S102 - the card's own code, as a user pastes it
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
