@@ -4,6 +4,7 @@ from published weights, with FFCV's BlurPool when asked, and the helper that
 finds the plain model inside DataParallel / DDP / torch.compile wrappers."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 from urllib.parse import urlparse
@@ -16,7 +17,7 @@ from torch.nn import functional
 from common.architectures import TIMM_PREFIX, available_architectures, check_architecture, is_timm
 from common.errors import UsageError, error_summary
 
-__all__ = ["available_architectures", "build_model", "sync_batchnorm", "unwrap"]
+__all__ = ["available_architectures", "build_model", "input_size_kwargs", "sync_batchnorm", "unwrap"]
 
 # Models whose auxiliary heads torchvision turns on by default: the training
 # loop expects one logits tensor, so the auxiliary classifiers are switched off.
@@ -29,7 +30,7 @@ _SETTING_FLAGS = {"dropout": "--dropout", "drop_rate": "--dropout", "stochastic_
                   "drop_path_rate": "--drop-path"}
 
 
-def _input_size_kwargs(arch: str, image_size: int) -> dict:
+def input_size_kwargs(arch: str, image_size: int) -> dict:
     """Transformers fix their input size at construction (torchvision's default: 224; timm's: its
     pretrained configuration's, fixed_input_size)."""
     if is_timm(arch):
@@ -151,7 +152,7 @@ def check_one_image_per_step(arch: str, image_size: int) -> None:
     most architectures. Checked on the meta device, in training mode."""
     try:
         with torch.device("meta"):
-            twin = _construct(arch, 1000, **_input_size_kwargs(arch, image_size))
+            twin = _construct(arch, 1000, **input_size_kwargs(arch, image_size))
             twin.train()(torch.empty(1, 3, image_size, image_size))
     except ValueError as error:  # "Expected more than 1 value per channel when training"
         if "value per channel" in str(error):
@@ -183,7 +184,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     check_architecture(arch)
     settings = _regularisation_kwargs(arch, dropout, drop_path)
     if is_timm(arch):
-        kwargs = {**_input_size_kwargs(arch, image_size), **settings}
+        kwargs = {**input_size_kwargs(arch, image_size), **settings}
         _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
         model = (_timm_pretrained(arch, num_classes, kwargs, pretrained_file) if pretrained or pretrained_file
                  else _construct(arch, num_classes, **kwargs))
@@ -192,7 +193,7 @@ def build_model(arch: str, num_classes: int, pretrained: bool = False, image_siz
     scratch = {**aux_off, "init_weights": True} if arch in _AUX_LOGITS_ARCHS else {}
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
     built_size = weights.meta["min_size"][0] if pretrained else image_size  # pretrained weights fix the size
-    kwargs = {**scratch, **_input_size_kwargs(arch, built_size), **settings}
+    kwargs = {**scratch, **input_size_kwargs(arch, built_size), **settings}
     _check_input_sizes(arch, num_classes, [("--image-size", image_size), *other_sizes], kwargs, blurpool)
     if not pretrained:
         model = _construct(arch, num_classes, **kwargs)
@@ -266,10 +267,19 @@ def _timm_cached_weights(name: str) -> Path:
         if cached.is_file():
             return cached
         looked.append(str(cached))
-    fetch = f"huggingface-cli download {config.hf_hub_id}" if config.hf_hub_id else f"copy {config.url}"
+    fetch = f"{_hub_download_command()} {config.hf_hub_id}" if config.hf_hub_id else f"copy {config.url}"
     raise UsageError(f"argument --pretrained: timm's weights for {name} are not in {' nor '.join(looked)} "
                      f"(a run never downloads them); {fetch} on a machine with internet access, "
                      f"or give --pretrained-file PATH")
+
+
+def _hub_download_command() -> str:
+    """The installed huggingface_hub's download command: `hf download` since 0.34; huggingface_hub 1.0
+    removed `huggingface-cli`, which older ones alone have."""
+    import huggingface_hub
+
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", huggingface_hub.__version__)[:2])
+    return "hf download" if major_minor >= (0, 34) else "huggingface-cli download"
 
 
 def _refuse_code(path: Path) -> None:

@@ -18,7 +18,7 @@ inputs (safetensors: loaded into a fresh model; ONNX: through onnxruntime;
 TorchScript: torch.jit.load) and its logits must equal the checkpoint's
 model's within T x max(1, the largest logit); else exit 1 and nothing is
 written. Each format's package (requirements-export.txt) is imported only
-when chosen. docs/export.md says how each file loads.
+when chosen. docs/outputs.md ("Weights to ship") says how each file loads.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import sys
@@ -40,6 +41,7 @@ import torchvision
 from torch import nn
 
 from common import checkpoint, models
+from common.architectures import TIMM_PREFIX, check_architecture, is_timm
 from common.arguments import Parser, int_at_least, positive_float
 from common.config import RECIPE_OPTIONS
 from common.errors import ReportedError, UsageError, error_summary, run_main
@@ -175,6 +177,11 @@ def read_checkpoint(path: Path, weights: str) -> Exported:
     if not state.get("classes") or not isinstance(state.get("config"), dict) or "arch" not in state:
         raise UsageError(f"argument {SOURCE}: {path} holds no class names, options or architecture (a checkpoint "
                          f"of another trainer?); export reads them from this project's checkpoints")
+    try:  # this installation builds the model: its zoo has the name (timm is installed for a timm/ one)
+        check_architecture(state["arch"])
+    except UsageError as error:  # the line names -a/--arch, which export lacks
+        raise UsageError(f"argument {SOURCE}: {path} holds a {state['arch']} model: "
+                         f"{str(error).removeprefix('argument -a/--arch: ')}") from None
     if weights == "ema" and not state.get("model_ema"):
         raise UsageError(f"argument --weights: {path} holds no --model-ema average; export --weights model")
     return Exported(path, state, weights, state["model_ema"]["state_dict"] if weights == "ema" else state["state_dict"])
@@ -353,12 +360,12 @@ def loading_code(format_name: str, exported: Exported) -> str:
     if format_name == "torchscript":
         return "torch.jit.load(FILE).eval()(images)"
     arch, classes, options = exported.state["arch"], len(exported.state["classes"]), exported.options
-    if arch.startswith("timm/"):
-        builder = f"timm.create_model({arch[len('timm/'):]!r}, num_classes={classes})"
+    # The input size the model was built for (a ViT's position embedding has its shape), as build() builds it.
+    sizes = models.input_size_kwargs(arch, options["image_size"])
+    extra = "".join(f", {name}={value!r}" for name, value in sizes.items())
+    if is_timm(arch):
+        builder = f"timm.create_model({arch[len(TIMM_PREFIX):]!r}, num_classes={classes}{extra})"
     else:
-        size = {"vit_": f", image_size={options['image_size']}", "maxvit_": f", input_size=({options['image_size']}, "
-                f"{options['image_size']})"}
-        extra = next((text for prefix, text in size.items() if arch.startswith(prefix)), "")
         builder = f"torchvision.models.get_model({arch!r}, num_classes={classes}{extra})"
     code = f"model = {builder}; model.load_state_dict(safetensors.torch.load_file(FILE)); model.eval()"
     if options.get("blurpool"):
@@ -372,7 +379,9 @@ def make_card(format_name: str, out: Path, data: bytes, exported: Exported, chec
               packages: dict) -> dict:
     state, options = exported.state, exported.options
     provenance = code_and_command(exported)
-    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__,
+    # timm's too for its models: their module names, which the weights' names follow, are its version's.
+    timm_version = {"timm": importlib.metadata.version("timm")} if is_timm(state["arch"]) else {}
+    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__, **timm_version,
                 **{name: getattr(module, "__version__", None) for name, module in packages.items()}}
     return {
         "format": format_name, "file": out.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import checkpoint, models
+from common import architectures, checkpoint, models
 from common.cli import parse
 from common.ema import ModelEMA
 from common.errors import UsageError
@@ -366,3 +366,48 @@ def test_a_real_runs_checkpoints_carry_the_figures_metrics_csv_has_for_them(tmp_
     assert card["classes"] == ["class_0", "class_1", "class_2"] and card["command"] == recorded["command"]
     _, card, _ = exported(tmp_path, run_dir, "torchscript", "--checkpoint", "last", name="last.pt")
     assert card["checkpoint"]["epoch"] == 2 and card["validation"]["top1"] == float(rows[1, "val"]["top1"])
+
+
+def _write_timm_run(run_dir):
+    """A run directory of timm's test_vit at 32 pixels (timm's default: 160), its model in evaluation mode."""
+    cfg = parse("nd", ["--synthetic", "-a", "timm/test_vit", "--image-size", "32", "--val-resize", "32"])
+    torch.manual_seed(0)
+    model = models.build_model("timm/test_vit", len(CLASSES), image_size=32).eval()
+    state = checkpoint.training_state(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), precision_state={}, epoch=1, step=0,
+        images_done=0, partial_epoch=None, best_acc1=50.0, best_epoch=0, arch="timm/test_vit", classes=CLASSES,
+        config=cfg.to_dict(), world_size=1, global_batch=4, lr=0.1, seed=0, model_ema=None, best_source="model")
+    run_dir.mkdir()
+    return checkpoint.save(state, run_dir, is_best=True), model
+
+
+def test_a_timm_vits_card_code_loads_its_safetensors_at_the_runs_image_size(tmp_path):
+    """A fixed-size timm model (a ViT's position embedding is sized by the image) built at the run's 32 pixels,
+    not timm's default 160: the card's loading code must build it so, or load_state_dict refuses the file."""
+    timm = pytest.importorskip("timm", reason="timm is optional: pip install -r requirements-timm.txt")
+    pytest.importorskip("safetensors.torch", reason="pip install -r requirements-export.txt")
+    _, model = _write_timm_run(tmp_path / "run")
+    out, card, _ = exported(tmp_path, tmp_path / "run", "safetensors")
+    assert card["loads_with"].startswith("model = timm.create_model('test_vit', num_classes=3, img_size=32); ")
+    assert card["versions"]["timm"] == timm.__version__  # the version whose module names the weights follow
+    plain = {"timm": timm, "safetensors": sys.modules["safetensors"], "FILE": str(out)}
+    exec(card["loads_with"], plain)  # noqa: S102 - the card's own code, as a user pastes it
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(plain["model"](images), model(images))
+
+
+def test_a_timm_checkpoint_without_timm_names_the_checkpoint_not_a_flag_export_lacks(tmp_path, monkeypatch):
+    pytest.importorskip("timm", reason="timm is optional: pip install -r requirements-timm.txt")
+    _write_timm_run(tmp_path / "run")
+    monkeypatch.setattr(architectures, "_timm_missing", lambda: True)
+    architectures.timm_architectures.cache_clear()
+    try:
+        with pytest.raises(UsageError) as raised:
+            export.main([str(tmp_path / "run"), "--format", "torchscript", str(tmp_path / "m.pt")])
+    finally:
+        architectures.timm_architectures.cache_clear()
+    assert str(raised.value) == (f"argument RUN_OR_CHECKPOINT: {tmp_path / 'run' / BEST_NAME} holds a timm/test_vit model: timm/test_vit is "
+                                 f"one of timm's models and timm is not installed "
+                                 f"(pip install -r requirements-timm.txt)")
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["run"]

@@ -146,7 +146,7 @@ def test_pretrained_reads_hugging_faces_cache_and_names_it_when_the_weights_are_
     with pytest.raises(UsageError) as missing:
         build_model("timm/test_resnet", 7, pretrained=True, image_size=32)
     assert str(missing.value).startswith(f"argument --pretrained: timm's weights for test_resnet are not in {repo} "
-                                         f"(a run never downloads them); huggingface-cli download ")
+                                         f"(a run never downloads them); hf download timm/test_resnet.r160_in1k on a machine ")
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0123abcd")
     (repo / "snapshots" / "0123abcd").mkdir(parents=True)
