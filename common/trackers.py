@@ -53,6 +53,9 @@ MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_
 MLFLOW_DEFAULT_FOLDER = "mlflow"
 MLFLOW_EXPERIMENT = "imagenet"  # the experiment, unless MLFLOW_EXPERIMENT_NAME names one
 WANDB_INIT_TIMEOUT_SECONDS = 60.0
+# How a tracked run ends, in MLflow's run statuses (W&B: exit code 0 for FINISHED, else 1). STOPPED: to be
+# continued (a signal, exit 74 or 3); FAILED: an error ended the run, which would otherwise stay RUNNING for good.
+FINISHED, STOPPED, FAILED = "FINISHED", "KILLED", "FAILED"
 
 
 def flat_parameters(record: dict) -> Dict[str, str]:
@@ -137,8 +140,8 @@ class MlflowTracker:
             folder = path.parent.relative_to(run_dir).as_posix()
             self.client.log_artifact(self.run_id, str(path), None if folder == "." else folder)
 
-    def close(self, stopped: bool) -> None:
-        self.client.set_terminated(self.run_id, "KILLED" if stopped else "FINISHED")
+    def close(self, outcome: str) -> None:
+        self.client.set_terminated(self.run_id, outcome)
 
 
 class WandbTracker:
@@ -175,8 +178,8 @@ class WandbTracker:
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, copy)
 
-    def close(self, stopped: bool) -> None:
-        self.run.finish(exit_code=1 if stopped else 0)
+    def close(self, outcome: str) -> None:
+        self.run.finish(exit_code=0 if outcome == FINISHED else 1)
 
 
 MAKERS = {"mlflow": MlflowTracker, "wandb": WandbTracker}
@@ -223,13 +226,15 @@ class Trackers:
             self._call(tracker, "log metrics", lambda: tracker.log(values, row["epoch"], row.get("wall_time")
                                                                    or time.time()))
 
-    def finish(self, stopped: bool) -> None:
-        """Send the run directory's reports and end each tracked run (stopped: to be continued)."""
+    def finish(self, stopped: bool, failed: bool = False) -> None:
+        """Send the run directory's reports and end each tracked run (stopped: to be continued; failed: ended by
+        an error). Once: the trackers are left off after it, so a second call does nothing."""
         files = artifacts(self.run_dir) if self.active else []
+        outcome = FAILED if failed else STOPPED if stopped else FINISHED
         for tracker in list(self.active):
             self._call(tracker, "upload the reports", lambda: tracker.upload(self.run_dir, files))
             if tracker in self.active:
-                self._call(tracker, "end its run", lambda: tracker.close(stopped))
+                self._call(tracker, "end its run", lambda: tracker.close(outcome))
         self.active = []
 
     def _read_ids(self) -> dict:
