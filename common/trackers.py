@@ -104,6 +104,7 @@ class MlflowTracker:
         import mlflow
         from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self._metric = Metric
@@ -115,9 +116,16 @@ class MlflowTracker:
         self.client = MlflowClient(self.where)
         known = {}
         if run_id is not None:
-            self.client.update_run(run_id, status="RUNNING")  # raises when the store does not know it
-            known = self.client.get_run(run_id).data.params
-        else:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                known = self.client.get_run(run_id).data.params
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # a server gone: the caller's warning
+                    raise
+                # Not in this store (MLFLOW_TRACKING_URI changed since, the run deleted): a new run, rather than
+                # no tracking for this and every later resume
+                run_id = None
+        if run_id is None:
             experiment_name = MLFLOW_EXPERIMENT_NAME.get() or MLFLOW_EXPERIMENT
             experiment = self.client.get_experiment_by_name(experiment_name)
             experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
@@ -208,8 +216,9 @@ class Trackers:
             if tracker is not None:
                 self.active.append(tracker)
                 ids[name] = tracker.record()
-                self.say(f"{name}: {'continuing' if run_id == tracker.run_id else 'started'} run {tracker.run_id} "
-                         f"({without_credentials(json.dumps(ids[name]))})")
+                lost = f", as its run {run_id} is not in this store" if run_id not in (None, tracker.run_id) else ""
+                self.say(f"{name}: {'continuing' if run_id == tracker.run_id else 'started'} run {tracker.run_id}"
+                         f"{lost} ({without_credentials(json.dumps(ids[name]))})")
         if not self.active:
             return
         try:

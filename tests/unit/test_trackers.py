@@ -185,6 +185,25 @@ def test_mlflow_keeps_a_local_store_in_the_run_directory_and_a_resume_appends_to
     assert [line for line in said if "warning" in line] == []
 
 
+@pytest.mark.slow  # MLflow makes its SQLite store's tables
+def test_a_resume_whose_mlflow_run_is_not_in_the_store_starts_a_new_run_instead_of_none(tmp_path,
+                                                                                       mlflow_environment):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    lost = "0123456789abcdef0123456789abcdef"  # kept by a start whose store was another (MLFLOW_TRACKING_URI)
+    (run_dir / RUN_IDS_NAME).write_text(json.dumps({"mlflow": {"run_id": lost}}))
+    said = track(["mlflow"], run_dir, [metrics_row(3, "train", 0.5)], resuming=True)
+    run_id = json.loads((run_dir / RUN_IDS_NAME).read_text())["mlflow"]["run_id"]
+    assert run_id != lost
+    assert [line for line in said if "warning" in line] == []
+    assert said[0].startswith(f"mlflow: started run {run_id}, as its run {lost} is not in this store (")
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(point.step, point.value) for point in client.get_metric_history(run_id, "train_loss")] == [(3, 0.5)]
+
+
 def test_mlflow_bounds_only_the_http_settings_the_user_left_unset(tmp_path, mlflow_environment):
     mlflow_environment.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     mlflow_environment.setenv("MLFLOW_TRACKING_URI", f"http://alice:s3cret@127.0.0.1:{free_port()}")
