@@ -134,6 +134,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
                                     guard.check_weights, comm_hook=comm_hook, ema=ema)
         return fit(trainer(checkpointer), loaders, cfg.epochs, start, io_sampler, desired_acc=cfg.desired_acc)
     finally:
+        log.end_trackers_after_error()  # after log.finish (an end, a stop) this does nothing
         if run_dir is not None:  # ended, stopped or failed: the next run finds the lock released, not stale
             run_dir.close(started=started)
 

@@ -477,6 +477,11 @@ class RunLog:
             whose = f" of the {'EMA' if report_source == 'ema' else 'model'}" if ema is not None else ""
             self.info(f"per-class report{whose}: {csv_path} (confusion counts: {npy_path})")
 
+    def end_trackers_after_error(self) -> None:
+        """The run ended by an error, not through finish: each tracked run gets the reports written so far and
+        ends FAILED, instead of staying RUNNING for good. Nothing after finish."""
+        self._trackers.finish(stopped=True, failed=True)
+
     def finish(self, result, stopped: bool = False) -> None:
         """The closing lines: how long, how good, and where everything is.
         `stopped`: the run stops before its last epoch (a signal), to be continued."""

@@ -53,6 +53,9 @@ MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_
 MLFLOW_DEFAULT_FOLDER = "mlflow"
 MLFLOW_EXPERIMENT = "imagenet"  # the experiment, unless MLFLOW_EXPERIMENT_NAME names one
 WANDB_INIT_TIMEOUT_SECONDS = 60.0
+# How a tracked run ends, in MLflow's run statuses (W&B: exit code 0 for FINISHED, else 1). STOPPED: to be
+# continued (a signal, exit 74 or 3); FAILED: an error ended the run, which would otherwise stay RUNNING for good.
+FINISHED, STOPPED, FAILED = "FINISHED", "KILLED", "FAILED"
 
 
 def flat_parameters(record: dict) -> Dict[str, str]:
@@ -101,6 +104,7 @@ class MlflowTracker:
         import mlflow
         from mlflow.environment_variables import MLFLOW_EXPERIMENT_NAME, MLFLOW_TRACKING_URI
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self._metric = Metric
@@ -112,9 +116,16 @@ class MlflowTracker:
         self.client = MlflowClient(self.where)
         known = {}
         if run_id is not None:
-            self.client.update_run(run_id, status="RUNNING")  # raises when the store does not know it
-            known = self.client.get_run(run_id).data.params
-        else:
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                known = self.client.get_run(run_id).data.params
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":  # a server gone: the caller's warning
+                    raise
+                # Not in this store (MLFLOW_TRACKING_URI changed since, the run deleted): a new run, rather than
+                # no tracking for this and every later resume
+                run_id = None
+        if run_id is None:
             experiment_name = MLFLOW_EXPERIMENT_NAME.get() or MLFLOW_EXPERIMENT
             experiment = self.client.get_experiment_by_name(experiment_name)
             experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
@@ -137,8 +148,8 @@ class MlflowTracker:
             folder = path.parent.relative_to(run_dir).as_posix()
             self.client.log_artifact(self.run_id, str(path), None if folder == "." else folder)
 
-    def close(self, stopped: bool) -> None:
-        self.client.set_terminated(self.run_id, "KILLED" if stopped else "FINISHED")
+    def close(self, outcome: str) -> None:
+        self.client.set_terminated(self.run_id, outcome)
 
 
 class WandbTracker:
@@ -175,8 +186,8 @@ class WandbTracker:
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, copy)
 
-    def close(self, stopped: bool) -> None:
-        self.run.finish(exit_code=1 if stopped else 0)
+    def close(self, outcome: str) -> None:
+        self.run.finish(exit_code=0 if outcome == FINISHED else 1)
 
 
 MAKERS = {"mlflow": MlflowTracker, "wandb": WandbTracker}
@@ -205,8 +216,9 @@ class Trackers:
             if tracker is not None:
                 self.active.append(tracker)
                 ids[name] = tracker.record()
-                self.say(f"{name}: {'continuing' if run_id == tracker.run_id else 'started'} run {tracker.run_id} "
-                         f"({without_credentials(json.dumps(ids[name]))})")
+                lost = f", as its run {run_id} is not in this store" if run_id not in (None, tracker.run_id) else ""
+                self.say(f"{name}: {'continuing' if run_id == tracker.run_id else 'started'} run {tracker.run_id}"
+                         f"{lost} ({without_credentials(json.dumps(ids[name]))})")
         if not self.active:
             return
         try:
@@ -223,13 +235,15 @@ class Trackers:
             self._call(tracker, "log metrics", lambda: tracker.log(values, row["epoch"], row.get("wall_time")
                                                                    or time.time()))
 
-    def finish(self, stopped: bool) -> None:
-        """Send the run directory's reports and end each tracked run (stopped: to be continued)."""
+    def finish(self, stopped: bool, failed: bool = False) -> None:
+        """Send the run directory's reports and end each tracked run (stopped: to be continued; failed: ended by
+        an error). Once: the trackers are left off after it, so a second call does nothing."""
         files = artifacts(self.run_dir) if self.active else []
+        outcome = FAILED if failed else STOPPED if stopped else FINISHED
         for tracker in list(self.active):
             self._call(tracker, "upload the reports", lambda: tracker.upload(self.run_dir, files))
             if tracker in self.active:
-                self._call(tracker, "end its run", lambda: tracker.close(stopped))
+                self._call(tracker, "end its run", lambda: tracker.close(outcome))
         self.active = []
 
     def _read_ids(self) -> dict:

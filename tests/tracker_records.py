@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -13,6 +14,9 @@ from helpers import csv_rows
 _WANDB_BLOCK_BYTES = 32768  # a .wandb file is LevelDB's log format: 32 KiB blocks of records
 _WANDB_HEADER = b":W&B"  # then 0xBEE1 and a version byte: 7 bytes
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+# W&B's service process writes an offline run's file on its own, after run.finish() has returned: seconds later
+# on a loaded machine. A run's records are read once the file ends in its exit record; a generous bound.
+_WANDB_WRITE_DEADLINE_S = 120.0
 
 
 def _wandb_records(path: Path):
@@ -37,6 +41,21 @@ def _wandb_records(path: Path):
             yield record
 
 
+def _finished_records(path: Path) -> list:
+    """The records of a .wandb file once its exit record is written (or, past the deadline, those it has)."""
+    deadline = time.monotonic() + _WANDB_WRITE_DEADLINE_S
+    while True:
+        try:
+            records = list(_wandb_records(path))
+        except Exception:  # noqa: BLE001 -- a record being written: protobuf's DecodeError, until the deadline
+            if time.monotonic() > deadline:
+                raise
+            records = []
+        if any(record.WhichOneof("record_type") == "exit" for record in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_runs(wandb_dir: Path) -> List[dict]:
     """Each offline run under WANDB_DIR, oldest first: its id, config (key: value), history rows and files."""
     runs = []
@@ -44,7 +63,7 @@ def wandb_runs(wandb_dir: Path) -> List[dict]:
         run = {"id": None, "config": {}, "history": [], "files": sorted(
             path.relative_to(folder / "files").as_posix() for path in (folder / "files").rglob("*") if path.is_file()),
             "folder": folder}
-        for record in _wandb_records(next(folder.glob("run-*.wandb"))):
+        for record in _finished_records(next(folder.glob("run-*.wandb"))):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run["id"] = record.run.run_id

@@ -14,6 +14,7 @@ from common.errors import UsageError
 from common.meters import EpochMetrics
 from common.ports import free_port
 from common.trackers import RUN_IDS_NAME, Trackers, epoch_values, flat_parameters
+from helpers import FAST_ARGS, make_image_folder
 from tracker_records import mlflow_artifacts, wandb_runs
 
 RECORD = {"command": "python imagenet_nd.py --dist-url tcp://alice:s3cret@node0:1", "started": "2026-11-27T20:00",
@@ -79,8 +80,8 @@ class Recorder:
     def upload(self, run_dir, files):
         self.calls.append(("upload", [path.name for path in files]))
 
-    def close(self, stopped):
-        self.calls.append(("close", stopped))
+    def close(self, outcome):
+        self.calls.append(("close", outcome))
 
 
 def test_a_failing_tracker_is_one_warning_and_left_off_while_the_others_go_on(tmp_path):
@@ -98,7 +99,7 @@ def test_a_failing_tracker_is_one_warning_and_left_off_while_the_others_go_on(tm
     assert warnings == ["warning: bad tracker failed to log metrics (RuntimeError: HTTP 503); it is left off for the "
                         "rest of the run and training goes on (the run directory has every figure)"]
     assert good == [("start", "r", None, EXPECTED_PARAMETERS), ("log", 0, 1.0), ("log", 1, 0.5),
-                    ("log", 2, 1.0 / 3), ("upload", ["metrics.csv"]), ("close", True)]
+                    ("log", 2, 1.0 / 3), ("upload", ["metrics.csv"]), ("close", "KILLED")]
     assert [call[0] for call in bad] == ["start"]
     assert json.loads((run_dir / RUN_IDS_NAME).read_text()) == {"bad": {"run_id": "run-1"},
                                                                 "good": {"run_id": "run-1"}}
@@ -127,6 +128,23 @@ def test_a_resume_continues_the_run_ids_kept_in_the_run_directory(tmp_path):
                                                                                       resuming=True)
     assert calls[0][:3] == ("start", "r", "kept-7")
     assert said == ['good: continuing run kept-7 ({"run_id": "kept-7"})']
+
+
+def test_a_run_ended_by_an_error_ends_its_tracked_run_failed_with_the_reports_so_far(tmp_path, monkeypatch):
+    import imagenet_nd
+
+    data = make_image_folder(tmp_path / "data")
+    damaged = sorted((data / "val" / "class_1").iterdir())[0]
+    damaged.write_bytes(b"not a JPEG")  # validation of epoch 0 ends the run: --bad-images fail
+    calls = []
+    monkeypatch.setitem(trackers.MAKERS, "mlflow", lambda *args: Recorder(*args, name="mlflow", calls=calls))
+    real_find_spec = cli.importlib.util.find_spec  # the Recorder stands in: no need of MLflow installed
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: True if name == "mlflow" else real_find_spec(name))
+    with pytest.raises(UsageError, match="cannot decode image"):
+        imagenet_nd.main([str(data), *FAST_ARGS, "-j", "0", "--epochs", "2", "--steps-per-epoch", "1", "--tracker",
+                          "mlflow", "--logdir", str(tmp_path / "runs"), "--run-name", "r"])
+    assert [call[0] for call in calls] == ["start", "upload", "close"]
+    assert calls[-2:] == [("upload", ["config.json"]), ("close", "FAILED")]  # not left RUNNING
 
 
 @pytest.fixture
@@ -165,6 +183,25 @@ def test_mlflow_keeps_a_local_store_in_the_run_directory_and_a_resume_appends_to
     assert mlflow_artifacts(client, run_id) == ["config.json", "metrics.csv", "val_report.csv"]
     assert (run_dir / "mlflow" / "artifacts").is_dir()
     assert [line for line in said if "warning" in line] == []
+
+
+@pytest.mark.slow  # MLflow makes its SQLite store's tables
+def test_a_resume_whose_mlflow_run_is_not_in_the_store_starts_a_new_run_instead_of_none(tmp_path,
+                                                                                       mlflow_environment):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    lost = "0123456789abcdef0123456789abcdef"  # kept by a start whose store was another (MLFLOW_TRACKING_URI)
+    (run_dir / RUN_IDS_NAME).write_text(json.dumps({"mlflow": {"run_id": lost}}))
+    said = track(["mlflow"], run_dir, [metrics_row(3, "train", 0.5)], resuming=True)
+    run_id = json.loads((run_dir / RUN_IDS_NAME).read_text())["mlflow"]["run_id"]
+    assert run_id != lost
+    assert [line for line in said if "warning" in line] == []
+    assert said[0].startswith(f"mlflow: started run {run_id}, as its run {lost} is not in this store (")
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(point.step, point.value) for point in client.get_metric_history(run_id, "train_loss")] == [(3, 0.5)]
 
 
 def test_mlflow_bounds_only_the_http_settings_the_user_left_unset(tmp_path, mlflow_environment):
