@@ -25,6 +25,7 @@ installed, before training starts). No torch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -106,6 +107,9 @@ class MlflowTracker:
         from mlflow.entities import Metric, Param
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
+        # Its store's set-up lines ("Creating initial MLflow database tables...") would sit among the run's own on
+        # stderr at every first start: only its warnings and errors are said.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
         self._metric = Metric
         default_store = not MLFLOW_TRACKING_URI.is_set()
