@@ -180,9 +180,9 @@ def test_a_signal_in_the_last_step_stops_before_validation_and_the_resume_loses_
             os.kill(os.getpid(), signal.SIGUSR1)  # as if it came while the last step ran
         return metrics
 
-    def counting_validate(self, loaders, epoch):
+    def counting_validate(self, loaders, epoch, **kwargs):
         validated.append(epoch)
-        return real_validate(self, loaders, epoch)
+        return real_validate(self, loaders, epoch, **kwargs)
 
     monkeypatch.setattr(engine.Trainer, "train_one_epoch", signalled_during_the_last_step)
     monkeypatch.setattr(engine.Trainer, "validate", counting_validate)
