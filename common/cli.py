@@ -149,8 +149,6 @@ def _check_values(ns: argparse.Namespace) -> None:
         check_one_image_per_step(ns.arch, smallest)
 
 
-
-
 def _check_pretrained_file(arch: str, path: Optional[str]) -> None:
     if path is not None and not is_timm(arch):
         raise UsageError(f"argument --pretrained-file: only for timm/ models, not {arch} (torchvision's weights: "
