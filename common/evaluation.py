@@ -30,6 +30,7 @@ from common.distributed import Context, all_reduce_sum, decided_by_primary
 from common.engine import Trainer
 from common.errors import UsageError
 from common.files import atomic_write_text, format_bytes
+from common.meters import top_classes
 from common.fit import Validation, validate
 from common.telemetry import RunLog
 
@@ -86,9 +87,9 @@ class Predictions:
         self.guess_plus_one = torch.zeros(length, dtype=torch.int64, device=device)  # 0: not read here
 
     def add(self, indices: torch.Tensor, logits: torch.Tensor) -> None:
-        """A batch's images (dataset indices) and their logits. The guess is the first of the same topk call that
-        common.meters ranks by, so it is the per-class report's guess, ties included."""
-        guesses = logits.detach().topk(min(5, logits.size(1)), dim=1, largest=True, sorted=True).indices[:, 0]
+        """A batch's images (dataset indices) and their logits. The guess is the first of meters' ranking, the
+        per-class report's guess, ties included."""
+        guesses = top_classes(logits.detach(), 5)[:, 0]
         self.guess_plus_one[indices.to(self.guess_plus_one.device)] = guesses + 1
 
     def gathered(self, ctx: Context) -> np.ndarray:

@@ -24,12 +24,13 @@ def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: Sequence[int] =
     always among all classes), so top-5 is defined on a 3-class problem too.
     Returns a float64 tensor of len(ks) counts on the logits' device.
     """
-    return _hits(_top_classes(logits, max(ks)), target, ks, logits.size(1))
+    return _hits(top_classes(logits, max(ks)), target, ks, logits.size(1))
 
 
-def _top_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
+def top_classes(logits: torch.Tensor, k: int) -> torch.Tensor:
     """(batch, min(k, classes)) class indices, best first: one ranking serves
-    top-k and the per-class report, so they agree on ties."""
+    top-k, the per-class report and --evaluate's per-image guesses
+    (common.evaluation), so they agree on ties."""
     return logits.topk(min(k, logits.size(1)), dim=1, largest=True, sorted=True).indices
 
 
@@ -76,7 +77,7 @@ class MetricSums:
         `bad_images`: unreadable files met in it (see data.BadImages)."""
         count = target.size(0)
         logits = logits.detach()
-        top = _top_classes(logits, 5)
+        top = top_classes(logits, 5)
         self.sums[self.LOSS] += loss_mean.detach().double() * count
         self.sums[self.TOP1:self.COUNT] += _hits(top, target, (1, 5), logits.size(1))
         self.sums[self.COUNT] += count
