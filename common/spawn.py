@@ -57,12 +57,11 @@ def _peer_timed_out(error: BaseException) -> bool:
 def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int,
                 spawned: bool = False) -> None:
     """Join the process group, check that no two ranks share a GPU, train,
-    leave. A peer that stopped answering
-    (a collective timed out) is one line: which rank, and when this process
-    last heard from it. One that failed is one line too (under a launcher:
-    its log is the place to look) or, in a worker this script spawned, a
-    quiet exit for the spawner to report: not a second traceback beside the
-    one that matters."""
+    leave. A peer that stopped answering (a collective timed out) is one
+    line: which rank, and when this process last heard from it. One that
+    failed is one line too (under a launcher: its log is the place to look)
+    or, in a worker this script spawned, a quiet exit for the spawner to
+    report: not a second traceback beside the one that matters."""
     rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
     ctx = join_process_group(cfg, launch, rank, local_rank)
     try:
