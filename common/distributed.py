@@ -169,6 +169,19 @@ def gather_to_primary(value, ctx: Context) -> list:
     return gathered if ctx.is_primary else []
 
 
+def gather_to_all(value, ctx: Context, group=None) -> list:
+    """Every process's `value` (a picklable object), in rank order, on every
+    process; `group`: the process group to send it over (the default one
+    unless given). A collective: all must call it. It waits for the others
+    within the group's timeout (--dist-timeout), then raises as any
+    collective does."""
+    if not spans_processes(ctx):
+        return [value]
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered
+
+
 def broadcast_from_primary(value, ctx: Context):
     """The primary process's `value` (any picklable object), on every process:
     how one process's decision (say, a run directory it could not create)

@@ -2,26 +2,30 @@
 and gets its common.distributed.Context (rank, device, backend). A process
 that cannot meet them says why in one line (RendezvousError): what c10d
 writes to stderr meanwhile (every failed attempt, with a C++ stack) is held
-back, and the lines of it that say why are quoted. And, when a collective
-timed out, the roll call over the group's store that tells which ranks
-stopped answering (roll_call).
+back, and the lines of it that say why are quoted. Once joined, the check
+that no two ranks compute on one GPU (check_gpu_binding: a missing
+--gpus-per-task, a wrong CUDA_VISIBLE_DEVICES), in one line before NCCL
+fails on it. And, when a collective timed out, the roll call over the
+group's store that tells which ranks stopped answering (roll_call).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import re
+import socket
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from common.config import Config
-from common.distributed import Context, select_device, use_device
+from common.distributed import Context, gather_to_all, select_device, spans_processes, use_device
 from common.errors import UsageError, error_summary
 from common.launcher import Launch, cpu_threads_per_process, gpu_of_its_own
 
@@ -187,3 +191,122 @@ def roll_call(rank: int, world_size: int, seconds: float, store=None) -> Optiona
         return [other for other in range(world_size) if not store.check([f"{_ROLL_CALL_KEY}/{other}"])]
     except Exception:  # DistStoreError, a timeout, no store kept there: it cannot tell
         return None
+
+
+# --- After joining: one GPU per process ---
+
+@dataclasses.dataclass(frozen=True)
+class GpuIdentity:
+    """The GPU a training process computes on, as the processes of a job can
+    compare it, and how the process came to it (what the line that stops a
+    shared GPU says the likely cause is from)."""
+
+    host: str  # this process's host name
+    # CUDA's UUID of the device, as torch prints it (36 hexadecimal digits and dashes; nvidia-smi -L shows it after
+    # "GPU-"): the same GPU has the same UUID whatever number CUDA_VISIBLE_DEVICES gives it in a process. A MIG
+    # instance is a device of its own to CUDA, whose driver documents its own UUID for it (cuDeviceGetUuid_v2;
+    # nvidia-smi -L's "MIG-..."), so processes on two instances of one GPU do not share one here (not yet seen on
+    # MIG hardware: docs/faults.md).
+    uuid: str
+    local_rank: int
+    device_index: int  # N of this process's cuda:N
+    gpus_visible: int  # the GPUs this process sees (CUDA_VISIBLE_DEVICES, a Slurm or container binding)
+
+
+def gpu_identity(ctx: Context) -> Optional[GpuIdentity]:
+    """This process's GPU as the others can compare it; None on the CPU,
+    where there is no GPU to share."""
+    if ctx.device.type != "cuda":
+        return None
+    return GpuIdentity(host=socket.gethostname(), uuid=str(torch.cuda.get_device_properties(ctx.device).uuid),
+                       local_rank=ctx.local_rank, device_index=ctx.device.index or 0,
+                       gpus_visible=torch.cuda.device_count())
+
+
+def shared_gpus(identities: Sequence[Optional[GpuIdentity]]) -> List[List[int]]:
+    """The ranks (indices of `identities`, one per rank) that share a GPU,
+    one list per GPU shared by two or more, in the order of their first rank.
+    A GPU is its UUID alone: two containers of one machine may give one GPU
+    to processes on hosts of different names. None (the CPU) shares nothing."""
+    ranks_of_gpu: Dict[str, List[int]] = {}
+    for rank, identity in enumerate(identities):
+        if identity is not None:
+            ranks_of_gpu.setdefault(identity.uuid, []).append(rank)
+    return [ranks for ranks in ranks_of_gpu.values() if len(ranks) > 1]
+
+
+# The line names at most this many of the GPUs shared, of the ranks on each, of their hosts and of the cuda:N
+# numbers they see it as; the rest are counted: thousands of ranks on a few GPUs still make one short line.
+SHARED_GPUS_NAMED = 3
+RANKS_NAMED = 8
+HOSTS_NAMED = 4
+NUMBERS_NAMED = 4
+
+
+def _listed(words: List[str], limit: int) -> str:
+    """'a', 'a and b', 'a, b and c', or 'a, b and 5 more' past `limit` words."""
+    if len(words) > limit:
+        return f"{', '.join(words[:limit])} and {len(words) - limit} more"
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
+
+
+def _one_shared_gpu(ranks: List[int], identities: Sequence[GpuIdentity]) -> str:
+    """'ranks 0 and 1 share one GPU (UUID ..., cuda:0 of each) on host node7'."""
+    members = [identities[rank] for rank in ranks]
+    indices = list(dict.fromkeys(f"cuda:{member.device_index}" for member in members))
+    hosts = list(dict.fromkeys(member.host for member in members))
+    as_seen = f"{indices[0]} of each" if len(indices) == 1 else f"as {_listed(indices, NUMBERS_NAMED)}"
+    where = (f"on host {hosts[0]}" if len(hosts) == 1
+             else f"on hosts {_listed(hosts, HOSTS_NAMED)} (one machine's containers?)")
+    return (f"ranks {_listed([str(rank) for rank in ranks], RANKS_NAMED)} share one GPU (UUID {members[0].uuid}, "
+            f"{as_seen}) {where}")
+
+
+def _likely_cause(ranks: List[int], identities: Sequence[GpuIdentity]) -> str:
+    """What the ranks sharing one GPU say of how they came to it, and what to set."""
+    members = [identities[rank] for rank in ranks]
+    seats = [(member.host, member.local_rank) for member in members]
+    repeated = next((seat for seat in seats if seats.count(seat) > 1), None)
+    if repeated is not None:
+        return (f"{seats.count(repeated)} of them are local rank {repeated[1]} on host {repeated[0]}: the processes of "
+                f"two nodes were started on one host; start each node's command on its own host, with its own node "
+                f"rank")
+    if all(member.gpus_visible == 1 for member in members):
+        return ("each of them sees only that one GPU: the job gives its tasks the same GPU; give each its own "
+                "(srun --gpus-per-task=1, or a CUDA_VISIBLE_DEVICES of its own per process)")
+    return ("give each process a GPU of its own: one process per visible GPU, each its own local rank (check "
+            "CUDA_VISIBLE_DEVICES and the launcher's process count per node)")
+
+
+def shared_gpu_line(identities: Sequence[Optional[GpuIdentity]]) -> Optional[str]:
+    """The one line that stops a job whose ranks share a GPU (identities: one
+    per rank, in rank order; None on the CPU): which ranks share which GPU on
+    which host, and the likely cause, from the first GPU shared; None when
+    every process has a GPU of its own."""
+    groups = shared_gpus(identities)
+    if not groups:
+        return None
+    named = [_one_shared_gpu(ranks, identities) for ranks in groups[:SHARED_GPUS_NAMED]]
+    if len(groups) > SHARED_GPUS_NAMED:
+        named.append(f"{len(groups) - SHARED_GPUS_NAMED} more GPU(s) are shared likewise")
+    return (f"{'; '.join(named)}; every process needs a GPU of its own (NCCL would stop at its first collective: "
+            f"'Duplicate GPU detected'): {_likely_cause(groups[0], identities)}")
+
+
+def check_gpu_binding(ctx: Context, identify: Optional[Callable[[Context], Optional[GpuIdentity]]] = None) -> None:
+    """After joining, before NCCL's first collective (which fails late and
+    obscurely on a GPU two ranks share): every process gathers each rank's
+    GPU (`identify`, gpu_identity unless given) over the gloo group (the
+    control group beside NCCL), and each raises the same UsageError when two
+    share one. Skipped on the CPU: a process without a GPU asks nothing of
+    the others (all of a job's processes compute on one kind of device: its
+    backend is chosen from it). A peer that does not take part fails the
+    gather within --dist-timeout, as any collective."""
+    if not spans_processes(ctx):
+        return
+    own = (identify or gpu_identity)(ctx)
+    if own is None:
+        return
+    line = shared_gpu_line(gather_to_all(own, ctx, group=ctx.control_group))
+    if line is not None:
+        raise UsageError(line)

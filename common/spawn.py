@@ -30,7 +30,7 @@ from common.errors import (DATA_TIMEOUT_EXIT_STATUS, FAILED_EXIT_STATUS, INTERRU
 from common.launcher import Launch, check_before_start, discover, ray_train_context
 from common.process_signals import (children_of, die_with_parent, dump_stacks_on_quit, ignore_stop_signals_until_training,
                                     stuck_state)
-from common.rendezvous import join_process_group, roll_call, roll_call_seconds
+from common.rendezvous import check_gpu_binding, join_process_group, roll_call, roll_call_seconds
 
 WORKER_STOP_GRACE_SECONDS = 3.0  # after a worker fails, how long its peers get to exit (and report) on their own
 WORKER_KILL_SECONDS = 5.0  # after SIGTERM, how long a worker gets before SIGKILL
@@ -56,15 +56,16 @@ def _peer_timed_out(error: BaseException) -> bool:
 
 def _run_worker(train: Callable[[Config, Context], None], cfg: Config, launch: Launch, local_rank: int,
                 spawned: bool = False) -> None:
-    """Join the process group, train, leave. A peer that stopped answering
-    (a collective timed out) is one line: which rank, and when this process
-    last heard from it. One that failed is one line too (under a launcher:
-    its log is the place to look) or, in a worker this script spawned, a
-    quiet exit for the spawner to report: not a second traceback beside the
-    one that matters."""
+    """Join the process group, check that no two ranks share a GPU, train,
+    leave. A peer that stopped answering (a collective timed out) is one
+    line: which rank, and when this process last heard from it. One that
+    failed is one line too (under a launcher: its log is the place to look)
+    or, in a worker this script spawned, a quiet exit for the spawner to
+    report: not a second traceback beside the one that matters."""
     rank = launch.rank if launch.rank is not None else launch.rank_of(local_rank)
     ctx = join_process_group(cfg, launch, rank, local_rank)
     try:
+        check_gpu_binding(ctx)  # inside: a peer lost meanwhile is told as in training
         train(cfg, ctx)
     except RuntimeError as error:
         timed_out = _peer_timed_out(error)
