@@ -136,7 +136,7 @@ class MixedPrecision(FP32):
         self.scales_loss = self.scaler.is_enabled()
         self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
         self.skipped_before_resume = 0
-        self._skipped_now = None  # the same count, on the device, while training (read only at status())
+        self._skipped_now = None  # the same count, on the device, since status() last read it
         self._last_skipped = None  # whether the last step was skipped, on the device (last_step_skipped)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -180,8 +180,10 @@ class MixedPrecision(FP32):
         self.scaler.step(optimizer)
         self.scaler.update()
         skipped = (self.scaler._scale < scale_before).to(torch.int64)
-        self._skipped_now = skipped if self._skipped_now is None else self._skipped_now + skipped
-        self._last_skipped = skipped
+        if self._skipped_now is None:  # made once and then written in place: a CUDA graph's replays write them too
+            self._skipped_now, self._last_skipped = torch.zeros_like(skipped), torch.zeros_like(skipped)
+        self._skipped_now.add_(skipped)
+        self._last_skipped.copy_(skipped)
 
     def last_step_skipped(self) -> bool:
         """Whether the scaler skipped the last step: a host read of a device
@@ -191,7 +193,7 @@ class MixedPrecision(FP32):
     def _collect(self) -> None:
         if self._skipped_now is not None:
             self.skipped_steps += int(self._skipped_now.item())
-            self._skipped_now = None
+            self._skipped_now.zero_()
 
     def status(self) -> dict:
         if not self.scaler.is_enabled():
