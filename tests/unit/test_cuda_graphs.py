@@ -79,15 +79,21 @@ def train(policy, steps, graphed_with=None, batches=None, lines=None):
                               say=(lines if lines is not None else []).append, capture_with=RecordedGraph)
     trainer = engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, SCHEDULE, policy, ctx, telemetry.RunLog(ctx),
                              graphed=graphed)
-    losses = []
-    for step, sample in enumerate(batches or [batch(index) for index in range(steps)]):
-        sums = meters.MetricSums(ctx.device)
+    return model, optimizer, losses_of_steps(trainer, batches or [batch(index) for index in range(steps)])
+
+
+def losses_of_steps(trainer: engine.Trainer, samples: list) -> list:
+    """Each step's mean loss, the samples moved to the trainer's device; the LossGuard's last check made."""
+    device, losses = trainer.ctx.device, []
+    for step, sample in enumerate(samples):
+        sample = sample._replace(image=sample.image.to(device), target=sample.target.to(device))
+        sums = meters.MetricSums(device)
         trainer._step(sample, iter(()), step // STEPS, step % STEPS, STEPS, 7, sums,
-                      measure.StepTimer(STEPS, 0, [ctx.device]), data.BadImages(None))
+                      measure.StepTimer(STEPS, 0, [device]), data.BadImages(None))
         totals = sums.totals()
         losses.append(totals.loss_sum / totals.count)
     trainer.guard.settle()
-    return model, optimizer, losses
+    return losses
 
 
 def assert_same_state(first, second):
@@ -319,17 +325,7 @@ def gpu_train(opt_level, graphs, sizes):
         if graphs else None
     trainer = engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, SCHEDULE, policy, ctx, telemetry.RunLog(ctx),
                              graphed=graphed)
-    losses = []
-    for step, size in enumerate(sizes):
-        sample = batch(step, size)
-        sample = sample._replace(image=sample.image.to(ctx.device), target=sample.target.to(ctx.device))
-        sums = meters.MetricSums(ctx.device)
-        trainer._step(sample, iter(()), step // STEPS, step % STEPS, STEPS, 7, sums,
-                      measure.StepTimer(STEPS, 0, [ctx.device]), data.BadImages(None))
-        totals = sums.totals()
-        losses.append(totals.loss_sum / totals.count)
-    trainer.guard.settle()
-    return model, losses, lines
+    return model, losses_of_steps(trainer, [batch(step, size) for step, size in enumerate(sizes)]), lines
 
 
 @pytest.mark.gpu
