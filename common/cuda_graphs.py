@@ -28,6 +28,21 @@ replayed; a batch of another shape (a progressive-resizing epoch's crop,
 any short batch) runs eagerly, and a shape that lasts WARMUP_STEPS steps is
 captured in place of the old one. Validation always runs eagerly.
 
+Why torch.cuda.graph around the whole step (torch 2.14's sources read):
+make_graphed_callables graphs a callable's forward and backward only (the
+optimizer and the scaler stay eager, autocast's cache must be off, and it
+refuses modules with hooks, which DDP registers); torch.compile's
+mode="reduce-overhead" graphs what it compiles (the model; DDP splits it at
+its buckets), takes minutes to compile here (--compile) and runs
+the optimizer eagerly unless that is compiled too. Torch's own pieces used:
+fused SGD's grad_scale/found_inf arguments and its tensor rate (what the
+GradScaler gives an optimizer that declares _step_supports_amp_scaling),
+torch._amp_update_scale_ inside GradScaler.update, and the CUDA
+generator's graph-safe state (a replay starts from the generator's seed and
+offset of the moment, so engine.seed_generators' reseed before each step
+gives dropout the eager step's draws; read in CUDAGeneratorImpl.h, not yet
+seen on a GPU).
+
 What cannot be captured trains eagerly, said once at the start (choose):
 the CPU, --accum-steps > 1, MixUp/CutMix, --model-ema,
 --max-nonfinite-steps > 0, DataParallel, --compile, a --ddp-comm-hook,
@@ -175,9 +190,9 @@ class GraphedStep:
     def _capture(self, images: torch.Tensor, target: torch.Tensor, shape: tuple, where: str) -> StepOutputs:
         """Capture the step for `shape` (dropping an earlier graph first) and replay it for this batch."""
         self.graph = self.static_images = self.static_target = None
-        self.static_images, self.static_target = images.clone(), target.clone()  # strides kept: channels-last too
         self.optimizer.zero_grad(set_to_none=True)  # the capture's backward makes them, in the graph's memory
-        reserved_before, started = _settled_reserved_bytes(self.device), time.perf_counter()
+        reserved_before, started = _settled_reserved_bytes(self.device, release_cached=True), time.perf_counter()
+        self.static_images, self.static_target = images.clone(), target.clone()  # strides kept: channels-last too
         self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
         self.shape = shape
         outputs = self.graph.replay()
@@ -234,9 +249,13 @@ def _shape_of(images: torch.Tensor, target: torch.Tensor) -> tuple:
     return tuple(images.shape), images.dtype, images.stride(), tuple(target.shape), target.dtype
 
 
-def _settled_reserved_bytes(device: torch.device) -> int:
-    """The CUDA caching allocator's reserved bytes once the device is idle (a host sync: once per capture)."""
+def _settled_reserved_bytes(device: torch.device, release_cached: bool = False) -> int:
+    """The CUDA caching allocator's reserved bytes once the device is idle (a host sync: once per capture);
+    `release_cached`: after handing its unused blocks back first (torch.cuda.graph does too as it starts),
+    so that the capture's cost is what it adds to what the tensors alive hold."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
+    if release_cached:
+        torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)
