@@ -26,7 +26,10 @@ after its first iteration; torch's notes ask 11 eager iterations of DDP)
 are made before the capture. The next step of that shape is captured and
 replayed; a batch of another shape (a progressive-resizing epoch's crop,
 any short batch) runs eagerly, and a shape that lasts WARMUP_STEPS steps is
-captured in place of the old one. Validation always runs eagerly.
+captured in place of the old one. Validation always runs eagerly. A
+capture that fails (something in a model's step waits for the host) leaves
+every later step eager, said once; under DDP it ends the run instead, since
+DDP's reducer stopped mid-backward and every process must take one path.
 
 Why torch.cuda.graph around the whole step (torch 2.14's sources read):
 make_graphed_callables graphs a callable's forward and backward only (the
@@ -154,6 +157,7 @@ class GraphedStep:
         self.warmup_steps = math.inf if warmup_steps is None else warmup_steps
         self.say = say
         self.capture_with = capture_with
+        self.ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.lr = torch.zeros((), dtype=torch.float32, device=device)  # the rate the captured SGD reads
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # warm-up and capture
         self.graph = None  # the captured step, for batches of `shape`
@@ -193,7 +197,12 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)  # the capture's backward makes them, in the graph's memory
         reserved_before, started = _settled_reserved_bytes(self.device, release_cached=True), time.perf_counter()
         self.static_images, self.static_target = images.clone(), target.clone()  # strides kept: channels-last too
-        self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
+        try:
+            self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
+        except RuntimeError as error:
+            if self.ddp:  # its reducer stopped mid-backward, and every process must take the same path: no going on
+                raise
+            return self._eager_for_good(images, target, error)
         self.shape = shape
         outputs = self.graph.replay()
         reserved_after, seconds = _settled_reserved_bytes(self.device), time.perf_counter() - started
@@ -203,6 +212,19 @@ class GraphedStep:
         self.say(f"cuda graphs: training step captured{f' at {where}' if where else ''} for batches of "
                  f"{'x'.join(map(str, images.shape))} in {seconds:.2f} s (capture and first replay){memory}")
         return outputs
+
+    def _eager_for_good(self, images: torch.Tensor, target: torch.Tensor, error: RuntimeError) -> StepOutputs:
+        """After a capture that failed (something in the step waits for the host, or is not capturable):
+        what the capture began (gradients, the scaler's record) dropped, this step and every later one
+        eager, said once. The capture ran nothing, so the weights, momentum and scale are as they were."""
+        self.graph = self.static_images = self.static_target = None
+        self.warmup_steps = math.inf
+        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.forget_step()
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        self.say(f"cuda graphs: the training step could not be captured ({reason}); every training step eager "
+                 f"from here")
+        return self._on_side_stream(lambda: self.body(images, target))
 
     def _on_side_stream(self, run: Callable[[], StepOutputs]) -> StepOutputs:
         """`run` on the warm-up stream (the capture's), ordered after the work queued before it and before

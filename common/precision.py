@@ -85,6 +85,10 @@ class FP32:
         if self.clip_grad_norm is not None:
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
             torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+
+    def forget_step(self) -> None:
+        """A step begun and never applied (a CUDA-graph capture that failed: common.cuda_graphs): none of it kept."""
+
     def last_step_skipped(self) -> bool:
         """Whether the last step() left the weights as they were (fp16's scaler skips overflowing steps)."""
         return False
@@ -184,6 +188,11 @@ class MixedPrecision(FP32):
             self._skipped_now, self._last_skipped = torch.zeros_like(skipped), torch.zeros_like(skipped)
         self._skipped_now.add_(skipped)
         self._last_skipped.copy_(skipped)
+
+    def forget_step(self) -> None:
+        """The scaler's record of a step begun and never applied (unscaled, inf-checked): cleared, so the next
+        step's unscale_ and step start afresh (GradScaler has no public call for it; update() clears it so)."""
+        self.scaler._per_optimizer_states.clear()
 
     def last_step_skipped(self) -> bool:
         """Whether the scaler skipped the last step: a host read of a device

@@ -162,6 +162,63 @@ def test_a_batch_of_another_shape_runs_eagerly_with_the_same_numbers_and_the_gra
     assert replays == [0, 0, 0, 0, 1]
 
 
+class FailingGraph:
+    """A capture that fails as CUDA's do when the step waits for the host (an .item() in a model's forward)."""
+
+    attempts = 0
+
+    def __init__(self, body, stream):
+        FailingGraph.attempts += 1
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCompile with "
+                           "`TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+
+
+def test_a_capture_that_fails_leaves_every_step_eager_with_the_same_numbers_said_once():
+    FailingGraph.attempts = 0
+    lines = []
+    model = small_model()
+    optimizer = fused_sgd(model)
+    ctx = distributed.single_process("cpu")
+    graphed = GraphedStep(model, nn.CrossEntropyLoss(), optimizer, precision.FP32(), ctx.device, 2, say=lines.append,
+                          capture_with=FailingGraph)
+    trainer = engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, SCHEDULE, precision.FP32(), ctx,
+                             telemetry.RunLog(ctx), graphed=graphed)
+    losses = losses_of_steps(trainer, [batch(index) for index in range(8)])
+    assert_same_state(train(precision.FP32(), 8), (model, optimizer, losses))
+    assert FailingGraph.attempts == 1  # at the third step; never again
+    assert lines == ["cuda graphs: the training step could not be captured (CUDA error: operation not permitted "
+                     "when stream is capturing); every training step eager from here"]
+
+
+def test_under_ddp_a_capture_that_fails_ends_the_run():
+    """Every process must take the same path, and DDP's reducer stopped mid-backward: no eager step after it."""
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)  # never called here
+    model = small_model()
+    graphed = GraphedStep(ddp, nn.CrossEntropyLoss(), fused_sgd(model), precision.FP32(), torch.device("cpu"), 0,
+                          capture_with=FailingGraph)
+    sample = batch(0)
+    with pytest.raises(RuntimeError, match="^CUDA error: operation not permitted when stream is capturing"):
+        graphed(sample.image, sample.target, 0.1)
+
+
+def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
+    """What a failed capture leaves in the GradScaler (its optimizer unscaled): cleared by forget_step, so the next
+    step's unscale_ (--clip-grad-norm) does not fail as "already called since the last update()"."""
+    model = small_model()
+    optimizer = fused_sgd(model)
+    policy = precision.MixedPrecision("O1", torch.float16, torch.device("cpu"), clip_grad_norm=1.0)
+    sample = batch(0)
+    with policy.autocast():
+        policy.backward(nn.functional.cross_entropy(model(sample.image), sample.target))
+    policy.scaler.unscale_(optimizer)
+    policy.forget_step()
+    before = model[5].weight.detach().clone()
+    with policy.autocast():
+        loss = nn.functional.cross_entropy(model(sample.image), sample.target)
+    policy.backward_and_step(loss, optimizer)
+    assert not torch.equal(model[5].weight, before)
+
+
 # --- the fp16 scaler's skip, on the device ---
 
 def fp16_on_cpu():
