@@ -28,8 +28,9 @@ replayed; a batch of another shape (a progressive-resizing epoch's crop,
 any short batch) runs eagerly, and a shape that lasts WARMUP_STEPS steps is
 captured in place of the old one. Validation always runs eagerly. A
 capture that fails (something in a model's step waits for the host) leaves
-every later step eager, said once; under DDP it ends the run instead, since
-DDP's reducer stopped mid-backward and every process must take one path.
+every later step eager, said once; under DDP it ends the run instead (one
+line, exit status 2), since DDP's reducer stopped mid-backward and every
+process must take one path.
 
 Why torch.cuda.graph around the whole step (torch 2.14's sources read):
 make_graphed_callables graphs a callable's forward and backward only (the
@@ -201,7 +202,8 @@ class GraphedStep:
             self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
         except RuntimeError as error:
             if self.ddp:  # its reducer stopped mid-backward, and every process must take the same path: no going on
-                raise
+                raise UsageError(f"argument --cuda-graphs: on: the training step could not be captured under DDP "
+                                 f"({_first_line(error)}); run with --cuda-graphs off") from None
             return self._eager_for_good(images, target, error)
         self.shape = shape
         outputs = self.graph.replay()
@@ -221,9 +223,8 @@ class GraphedStep:
         self.warmup_steps = math.inf
         self.optimizer.zero_grad(set_to_none=True)
         self.precision.forget_step()
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        self.say(f"cuda graphs: the training step could not be captured ({reason}); every training step eager "
-                 f"from here")
+        self.say(f"cuda graphs: the training step could not be captured ({_first_line(error)}); every training "
+                 f"step eager from here")
         return self._on_side_stream(lambda: self.body(images, target))
 
     def _on_side_stream(self, run: Callable[[], StepOutputs]) -> StepOutputs:
@@ -264,6 +265,12 @@ class GraphedStep:
                 state = self.optimizer.state[parameter]
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+
+
+def _first_line(error: Exception) -> str:
+    """An error's first line (CUDA's add advice on more lines), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _shape_of(images: torch.Tensor, target: torch.Tensor) -> tuple:

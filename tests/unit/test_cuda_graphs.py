@@ -197,7 +197,9 @@ def test_under_ddp_a_capture_that_fails_ends_the_run():
     graphed = GraphedStep(ddp, nn.CrossEntropyLoss(), fused_sgd(model), precision.FP32(), torch.device("cpu"), 0,
                           capture_with=FailingGraph)
     sample = batch(0)
-    with pytest.raises(RuntimeError, match="^CUDA error: operation not permitted when stream is capturing"):
+    with pytest.raises(UsageError, match=r"^argument --cuda-graphs: on: the training step could not be captured "
+                                         r"under DDP \(CUDA error: operation not permitted when stream is capturing\); "
+                                         r"run with --cuda-graphs off$"):
         graphed(sample.image, sample.target, 0.1)
 
 
