@@ -135,8 +135,13 @@ class CudaGraph:
 
     def __init__(self, body: Callable[[], StepOutputs], stream: Optional[torch.cuda.Stream]):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            self.outputs = body()
+        previous = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+                self.outputs = body()
+        except RuntimeError:
+            torch.cuda.set_stream(previous)  # a capture_end that fails leaves torch.cuda.graph's stream current
+            raise
 
     def replay(self) -> StepOutputs:
         self.graph.replay()
