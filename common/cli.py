@@ -135,6 +135,9 @@ def _check_values(ns: argparse.Namespace) -> None:
     _check_pretrained_file(ns.arch, ns.pretrained_file)
     _check_distributed_flags(ns)
     _check_training_flags(ns)
+    if ns.cuda_graphs == "on" and getattr(ns, "device", "auto") == "cpu":  # a CPU picked by auto: common.cuda_graphs
+        raise UsageError("argument --cuda-graphs: on needs a CUDA GPU, and --device cpu trains on the CPU "
+                         "(use auto or off)")
     _check_augmentation_flags(ns)
     _check_machine_fits(ns)
     _check_output_paths(ns)

@@ -15,6 +15,7 @@ A hook changes what crosses the network each step, not the recipe:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Optional, Tuple
@@ -233,8 +234,11 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     # every step, which lets DDP skip its per-step search for unused ones.
     # --bucket-cap-mb only when given: DDP's own default keeps a small first bucket, which any size given drops.
     size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                              static_graph=cfg.static_graph, **size)
+    # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be captured.
+    on_side_stream = cfg.cuda_graphs == "on" and ctx.device.type == "cuda"
+    with torch.cuda.stream(torch.cuda.Stream(ctx.device)) if on_side_stream else contextlib.nullcontext():
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
+                                                  static_graph=cfg.static_graph, **size)
     hook = CommHook(cfg.ddp_comm_hook)
     if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
         ddp.register_comm_hook(None, _cast_in_this_thread(cfg.ddp_comm_hook))

@@ -42,6 +42,9 @@ def is_sharded(data: str) -> bool:
 
 # --ddp-comm-hook's choices: what DDP sends each step (common.comm installs them, common.tools.scaling models them).
 DDP_COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+# --cuda-graphs: the training step captured in a CUDA graph (common.cuda_graphs). auto stays eager until a GPU
+# check (run_scripts/gpu_check.sh) has measured graphs faster and exact.
+CUDA_GRAPHS = ("auto", "on", "off")
 
 # --tracker's choices: experiment trackers that also get a run's parameters, per-epoch figures and reports,
 # beside its run directory (common.trackers). Optional: each is imported only when chosen.
@@ -130,6 +133,7 @@ class Config:
     max_nonfinite_steps: int = 0  # steps with a NaN/inf loss skipped before the run stops; 0: stop at the first
     data_backend: str = "torchvision"  # torchvision | pil | gpu | dali: who decodes and transforms images (common.pipelines)
     compile: bool = False  # torch.compile the model
+    cuda_graphs: str = "auto"  # CUDA_GRAPHS: the training step replayed from a CUDA graph (on), eager (off, auto)
     accum_steps: int = 1  # micro-batches of batch_size per optimizer step (gradient accumulation)
     data_timeout: float = DATA_TIMEOUT_SECONDS  # seconds a batch may take to come; 0: wait for ever
     # imagenet_ddp.py and imagenet_ddp_apex.py only (the other scripts keep these defaults):

@@ -35,6 +35,7 @@ from common import measure, preemption
 from common.augment import BatchMixing
 from common.checkpoint import Checkpointer, ResumePoint
 from common.config import CropSizes
+from common.cuda_graphs import GraphedStep
 from common.data import BadImages, Loaders, derived_seed
 from common.device_input import DeviceInput
 from common.ema import ModelEMA
@@ -196,6 +197,7 @@ class Trainer:
     _sizes_met: set = dataclasses.field(default_factory=set, init=False)
     _crop_said: Optional[int] = dataclasses.field(default=None, init=False)
     ema: Optional[ModelEMA] = None  # --model-ema: updated after optimizer steps, validated beside the model
+    graphed: Optional[GraphedStep] = None  # --cuda-graphs on: the step over static buffers, replayed; None: eager
     # This process's bytes of each split of the epoch just run, from DATA's storage and from the node-local cache
     # ({split: (source, cache)}; a resumed epoch's: since the resume): io.csv's per-node "data" rows.
     read_bytes: dict = dataclasses.field(default_factory=dict, init=False)
@@ -280,6 +282,8 @@ class Trainer:
             lr = self.schedule.lr(epoch, step, steps)
             set_lr(self.optimizer, lr)
             buffers = self.guard.buffers_before(self.model)
+        if self.graphed is not None:
+            return self._graphed_step(batch, epoch, step, steps, lr, sums, timer, bad_images)
         # --accum-steps N: the first N - 1 micro-batches add their gradients (each loss / N) without
         # DDP's exchange; the last one's backward exchanges the sum, then one optimizer step.
         if self.accum_steps > 1:
@@ -316,6 +320,20 @@ class Trainer:
                           f"({self.guard.skipped} of --max-nonfinite-steps {self.guard.tolerance})")
             for part in micro:
                 sums.add_files(**part.files)
+        self.ctx.contact.heard(f"epoch {epoch} step {step + 1}/{steps} done")  # every process took part
+        return lr
+
+    def _graphed_step(self, batch, epoch: int, step: int, steps: int, lr: float, sums: MetricSums,
+                      timer: StepTimer, bad_images: BadImages) -> float:
+        """_step by common.cuda_graphs (one micro-batch, no mixing, no EMA,
+        no tolerated NaN: what `graphed` is made for): the graph's replay, or
+        the same step eagerly before its capture; the LossGuard's flags and
+        the metric sums from its outputs, before the next replay rewrites them."""
+        with record_function("step:cuda graph"):
+            outputs = self.graphed(batch.image, batch.target, lr, f"epoch {epoch} step {step}")
+        self.guard.flags_allow_update(outputs.flags, epoch, step, lr)
+        with record_function("step:metric sums"):
+            sums.add(outputs.loss, outputs.logits, batch.target, timed=timer.timing, **batch_reads(batch, bad_images))
         self.ctx.contact.heard(f"epoch {epoch} step {step + 1}/{steps} done")  # every process took part
         return lr
 

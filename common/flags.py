@@ -20,7 +20,7 @@ from common.config import (AUTO_AUGMENT_POLICIES, CONSTANT_WARMUP_DECAY, DATA_BA
                            PREEMPT_SIGNALS, WARMUP_METHODS)
 from common.arguments import (Parser, byte_size, float_in, int_at_least, non_negative_float, non_negative_int, percent,
                               positive_float, positive_int, seed_int, unit_interval)
-from common.config import TRACKERS, TRACKERS_REQUIREMENTS
+from common.config import CUDA_GRAPHS, TRACKERS, TRACKERS_REQUIREMENTS
 from common.errors import STOPPED_EXIT_STATUS, program
 from common import recipes
 
@@ -123,6 +123,11 @@ def _add_model_flags(group, mode: str) -> None:
         group.add_argument("--compile", action="store_true",
                            help="compile the model with torch.compile (the first steps take minutes while it "
                                 "compiles; throughput figures leave out --throughput-warmup-steps)")
+    group.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="auto",
+                       help="on: capture the training step (forward, loss, backward, loss scaling, SGD) in one CUDA "
+                            "graph after a few eager steps and replay it each step; what cannot be captured runs "
+                            "eagerly, said once at the start. auto: eager for now, until run_scripts/gpu_check.sh "
+                            "has measured graphs on a GPU. off: eager. on needs a CUDA GPU")
     group.add_argument("--drop-path", type=float_in(0.0, 1.0, False, True, "a probability in [0, 1)"), default=None,
                        metavar="P", help="stochastic depth: the probability of skipping a residual block in training "
                                          "(timm's drop_path_rate; torchvision's stochastic_depth_prob: ConvNeXt, "

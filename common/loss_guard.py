@@ -18,6 +18,14 @@ class NonFiniteLoss(Exception):
     """Unwinds from the training loop to fit() (common/fit.py): the message says where."""
 
 
+def nonfinite_flags(loss: torch.Tensor) -> torch.Tensor:
+    """[1 if the loss is NaN, 1 if it is inf] on the loss's device, made
+    without the host (so a captured step can make them): LossGuard sums them
+    over the processes."""
+    loss = loss.detach().float()
+    return torch.stack([loss.isnan(), loss.isinf()]).to(torch.float32)
+
+
 class LossGuard:
     """Watches for a NaN or inf training loss on any process. Each step's
     flag is summed over processes, so every process sees the same answer
@@ -43,8 +51,13 @@ class LossGuard:
         """Note this step's loss; False when its update must be skipped.
         Raises NonFiniteLoss for a bad step that is not tolerated (this one's
         with a tolerance, else the previous one's)."""
-        loss = loss.detach().float()
-        flags = torch.stack([loss.isnan(), loss.isinf()]).to(torch.float32)  # processes with a NaN, an inf loss
+        return self.flags_allow_update(nonfinite_flags(loss), epoch, step, lr)
+
+    def flags_allow_update(self, flags: torch.Tensor, epoch: int, step: int, lr: float) -> bool:
+        """allows_update, given the step's nonfinite_flags (a CUDA graph's
+        output, common.cuda_graphs: summed over the processes in place)."""
+        if not flags.is_cuda:  # read a step later: a copy, as the device's below (a replay rewrites its outputs)
+            flags = flags.clone()
         reduction = all_reduce_sum_started(flags, self.ctx)
         copied = None
         if flags.is_cuda:

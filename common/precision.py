@@ -85,6 +85,10 @@ class FP32:
         if self.clip_grad_norm is not None:
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
             torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
+
+    def forget_step(self) -> None:
+        """A step begun and never applied (a CUDA-graph capture that failed: common.cuda_graphs): none of it kept."""
+
     def last_step_skipped(self) -> bool:
         """Whether the last step() left the weights as they were (fp16's scaler skips overflowing steps)."""
         return False
@@ -136,7 +140,7 @@ class MixedPrecision(FP32):
         self.scales_loss = self.scaler.is_enabled()
         self.skipped_steps = 0  # optimizer steps skipped for overflowing gradients, since the run began
         self.skipped_before_resume = 0
-        self._skipped_now = None  # the same count, on the device, while training (read only at status())
+        self._skipped_now = None  # the same count, on the device, since status() last read it
         self._last_skipped = None  # whether the last step was skipped, on the device (last_step_skipped)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -180,8 +184,15 @@ class MixedPrecision(FP32):
         self.scaler.step(optimizer)
         self.scaler.update()
         skipped = (self.scaler._scale < scale_before).to(torch.int64)
-        self._skipped_now = skipped if self._skipped_now is None else self._skipped_now + skipped
-        self._last_skipped = skipped
+        if self._skipped_now is None:  # made once and then written in place: a CUDA graph's replays write them too
+            self._skipped_now, self._last_skipped = torch.zeros_like(skipped), torch.zeros_like(skipped)
+        self._skipped_now.add_(skipped)
+        self._last_skipped.copy_(skipped)
+
+    def forget_step(self) -> None:
+        """The scaler's record of a step begun and never applied (unscaled, inf-checked): cleared, so the next
+        step's unscale_ and step start afresh (GradScaler has no public call for it; update() clears it so)."""
+        self.scaler._per_optimizer_states.clear()
 
     def last_step_skipped(self) -> bool:
         """Whether the scaler skipped the last step: a host read of a device
@@ -191,7 +202,7 @@ class MixedPrecision(FP32):
     def _collect(self) -> None:
         if self._skipped_now is not None:
             self.skipped_steps += int(self._skipped_now.item())
-            self._skipped_now = None
+            self._skipped_now.zero_()
 
     def status(self) -> dict:
         if not self.scaler.is_enabled():

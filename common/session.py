@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from common import checkpoint, measure, preemption
+from common import checkpoint, cuda_graphs, measure, preemption
 from common.augment import BatchMixing
 from common.checkpoint import Checkpointer, ResumePoint, RunFacts
 from common.comm import CommHook
 from common.config import Config
+from common.cuda_graphs import GraphedStep
 from common.data import Loaders
 from common.distributed import Context, broadcast_from_primary
 from common.ema import ModelEMA, adjusted_decay, describe as describe_ema
@@ -96,6 +97,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
     mixing = None if cfg.evaluate else _batch_mixing(cfg, loaders.num_classes, log)
     ema = plan.model_ema(model, evaluating=cfg.evaluate)
+    graphed = None if cfg.evaluate else _graphed_step(cfg, ctx, log, model, criterion, optimizer, policy, mixing)
 
     def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
         return Trainer(model, criterion, optimizer, plan.schedule, policy, ctx, log, print_freq=cfg.print_freq,
@@ -103,7 +105,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
                        warmup_steps=cfg.warmup_steps, control=StopControl.for_run(cfg, ctx) if checkpointer
                        else preemption.NoStops(), checkpointer=checkpointer, guard=guard,
                        profile_steps=cfg.profile_steps, accum_steps=cfg.accum_steps, crop_sizes=cfg.crop_sizes,
-                       val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing, ema=ema)
+                       val_flip=cfg.val_flip, compile=cfg.compile, mixing=mixing, ema=ema, graphed=graphed)
 
     def resume(auto_dir: Optional[Path]) -> ResumePoint:  # --resume: where the checkpoint stopped, to the step
         return checkpoint.resume(cfg, ctx, model, optimizer, policy, loaders.classes, log, ema=ema,
@@ -145,6 +147,20 @@ def _batch_mixing(cfg: Config, num_classes: int, log: RunLog) -> Optional[BatchM
     if mixing is not None:
         log.info(mixing.describe())
     return mixing
+
+
+def _graphed_step(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, criterion: nn.Module,
+                  optimizer: Optimizer, policy, mixing: Optional[BatchMixing]) -> Optional[GraphedStep]:
+    """--cuda-graphs: the training step to capture, or None (eager steps); which, and why, said once."""
+    choice = cuda_graphs.choose(cfg.cuda_graphs, ctx.device, model, accum_steps=cfg.accum_steps,
+                                mixing=mixing is not None, model_ema=cfg.model_ema,
+                                max_nonfinite_steps=cfg.max_nonfinite_steps, compile=cfg.compile,
+                                comm_hook=cfg.ddp_comm_hook, sync_bn=cfg.sync_bn)
+    if choice.note:
+        log.info(choice.note)
+    if not choice.capture:
+        return None
+    return GraphedStep(model, criterion, optimizer, policy, ctx.device, choice.warmup_steps, say=log.info)
 
 
 def _describe_setup(log: RunLog, policy, loaders: Loaders, comm_hook: Optional[CommHook], cfg: Config) -> None:
