@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The GPU record in one prepared call: on a machine with a CUDA GPU, the checks and measurements
-a GPU session owes this project, within a deadline, most valuable first (docs/gpu.md).
+a GPU session owes this project, within a deadline, most valuable first
+(docs/tests.md#the-gpu-record-in-one-call).
 
     bash run_scripts/gpu_check.sh                          # every part, in the order below
     bash run_scripts/gpu_check.sh tests profile graphs     # these parts, in the order named
@@ -33,6 +34,7 @@ import csv
 import dataclasses
 import datetime
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -59,6 +61,8 @@ MATRIX_RUN_SECONDS = 40  # one digits run on an H200 took about 26 s (2026-11-26
 # Settings.synthetic_workers: -j 4), left to its own defaults: --opt-level auto is O2 on a GPU.
 STEP_FLAGS = ("imagenet_ddp_apex.py", "--synthetic", "-a", "resnet50", "-b", "256", "--nproc-per-node", "1",
               "-j", "4", "--epochs", "1", "--checkpoint-every", "0")
+# A test marked gpu: `@pytest.mark.gpu` before it, or a module's `pytestmark = pytest.mark.gpu` (or a list holding it).
+GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.MULTILINE)
 BENCH_FLAGS = ("-m", "common.tools.bench", "--device", "cuda", "--sections", "train", "end-to-end",
                "--configs", "ddp_apex O2 channels_last", "--repeats", "3")
 
@@ -126,9 +130,16 @@ def env_step(settings: Settings) -> Step:
     return Step("env", commands, "env.txt", 5, 0)
 
 
+def gpu_test_files() -> List[str]:
+    """The test files that mark a test `gpu`: pytest collects only these (seconds, not the whole suite's
+    imports), and a file that cannot be collected on the GPU image stops none of the others."""
+    return sorted(path.relative_to(REPO).as_posix() for path in (REPO / "tests").rglob("test_*.py")
+                  if GPU_MARK.search(path.read_text(errors="replace")))
+
+
 def tests_part(settings: Settings) -> Part:
-    command = (settings.python, "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:randomly", "-p",
-               "no:cacheprovider")
+    command = (settings.python, "-m", "pytest", *gpu_test_files(), "-m", "gpu", "-q", "-p", "no:randomly",
+               "-p", "no:cacheprovider", "--continue-on-collection-errors")
     # 76 s and 32 s in the two pytest runs of the 2026-11-26 H200 session, with fewer gpu tests than now.
     return Part("tests", (Step("tests", (command,), "tests.log", 180, 90,
                                after=lambda: last_line(settings.out / "tests.log")),))
@@ -407,18 +418,20 @@ def summary_text(outcomes: Sequence[Outcome], header: str) -> str:
 
 
 def pack(out: Path, summary: Path, settings: Settings, kind_folder: str) -> Path:
-    """Every file of `out` but the summary, and the matrix's copied runs, into one archive whose paths
-    are the repository's (results/gpu-<kind>-<date>/..., results/runs/gpu-<date>/...); the packed files
-    are removed, so `out` holds two files, within the device tool's MAX_TRANSFER_FILES."""
+    """Every file of `out`, and the matrix's copied runs, into one archive whose paths are the
+    repository's (results/gpu-<kind>-<date>/..., results/runs/gpu-<date>/...); the packed files but the
+    summary are removed, so `out` holds two files, within the device tool's MAX_TRANSFER_FILES."""
     archive = out / f"gpu-check-{summary.stem.removeprefix('summary-')}.tar.gz"
     packed = [path for path in sorted(out.rglob("*")) if path.is_file() and path not in (summary, archive)]
     with tarfile.open(archive, "w:gz") as tar:
-        for path in packed:
+        for path in [*packed, summary]:  # the summary stays beside the archive too, to be read first
             tar.add(path, arcname=f"results/{kind_folder}/{path.relative_to(out).as_posix()}")
         if settings.runs_copy.is_dir():
             tar.add(settings.runs_copy, arcname=f"results/runs/{settings.runs_copy.name}")
     for path in packed:
         path.unlink()
+    for folder in sorted((path for path in out.rglob("*") if path.is_dir()), reverse=True):
+        folder.rmdir()  # emptied: the device tool would count an empty folder too
     return archive
 
 
@@ -426,8 +439,9 @@ def pack(out: Path, summary: Path, settings: Settings, kind_folder: str) -> Path
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gpu_check.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-                     description=__doc__.split("\n\n")[0], epilog="Exit status: 0 no part failed, 1 one did, "
-                                                                   "2 a mistake or no CUDA GPU (docs/gpu.md)")
+                     description=__doc__.split("\n\n")[0],
+                     epilog="Exit status: 0 no part failed, 1 one did, 2 a mistake or no CUDA GPU "
+                            "(docs/tests.md#the-gpu-record-in-one-call)")
     parser.add_argument("parts", nargs="*", type=_part, metavar="PART",
                         help=f"the parts to run, in this order (default: {' '.join(PARTS)}); env always runs first")
     parser.add_argument("--seconds", type=_seconds, default=DEFAULT_SECONDS, metavar="N",

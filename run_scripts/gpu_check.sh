@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU record in one prepared call (docs/gpu.md): on a machine with a CUDA GPU, within a deadline and most
-# valuable first, the `gpu` tests, the default step's profile (eager and graphed), its images/s with
-# --cuda-graphs off and on, the benchmark's train and end-to-end sections, and the digits matrix; what did not
-# fit is skipped and named at the end. Without a GPU: one line, exit status 2.
+# The GPU record in one prepared call (docs/tests.md#the-gpu-record-in-one-call): on a machine with a CUDA
+# GPU, within a deadline and most valuable first, the `gpu` tests, the default step's profile (eager and
+# graphed), its images/s with --cuda-graphs off and on, the benchmark's train and end-to-end sections, and the
+# digits matrix; what did not fit is skipped and named at the end. Without a GPU: one line, exit status 2.
 #
 #   bash run_scripts/gpu_check.sh                       # tests profile graphs bench matrix, in that order
 #   bash run_scripts/gpu_check.sh bench matrix          # these parts, in the order named

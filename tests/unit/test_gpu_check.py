@@ -2,7 +2,7 @@
 arithmetic (a step skipped when its least time is not left, stopped with its process group when it
 runs past), the summary, the run directories copied without checkpoints, the archive the device tool
 brings back, and gpu_demo_matrix.sh's deadline. What needs a GPU (the parts' commands themselves) is
-run by a GPU session (docs/gpu.md)."""
+run by a GPU session (docs/tests.md#the-gpu-record-in-one-call)."""
 from __future__ import annotations
 
 import csv
@@ -110,6 +110,17 @@ def test_the_dry_run_prints_each_steps_exact_command(tmp_path, monkeypatch):
     matrix = next(lines[index + 1] for index, line in enumerate(lines) if "] matrix:" in line).split()
     assert matrix[0] == f"PYTHON={python}" and matrix[-4:] == ["RUN_SECONDS=40", "MATRIX_DEADLINE=<deadline>",
                                                                "bash", "run_scripts/gpu_demo_matrix.sh"]
+
+
+def test_the_tests_part_collects_only_the_files_that_mark_gpu_tests(tmp_path, monkeypatch):
+    files = gpu_check.gpu_test_files()
+    assert {"tests/e2e/test_gpu.py", "tests/e2e/test_dali.py"} <= set(files)
+    assert "tests/unit/test_gpu_check.py" not in files and "tests/unit/test_cli.py" not in files
+    assert all("\n@pytest.mark.gpu\n" in (REPO / file).read_text() for file in files)
+    _, lines, _ = dry_run(tmp_path, "tests", monkeypatch=monkeypatch)
+    command = next(lines[index + 1] for index, line in enumerate(lines) if "] tests:" in line)
+    assert command.split() == [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:randomly", "-p",
+                               "no:cacheprovider", "--continue-on-collection-errors"]
 
 
 def test_graphs_and_profile_pair_eager_and_graphed_only_where_the_flag_exists(tmp_path, monkeypatch):
@@ -269,7 +280,7 @@ def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
     assert sorted(out.iterdir()) == [archive, summary]  # within the device tool's 8 files
     with tarfile.open(archive) as tar:
         members = {member.name for member in tar.getmembers() if member.isfile()}
-    assert members == {f"results/gpu-h100-2026-11-28/{name}" for name in names} | {
+    assert members == {f"results/gpu-h100-2026-11-28/{name}" for name in [*names, summary.name]} | {
         f"results/runs/gpu-2026-11-28/apex-O2-bf16/{name}" for name in (
             "config.json", "events.out.tfevents.1.vm.2.0", "io.csv", "metrics.csv", "profile-x/summary.txt",
             "steps/steps.csv", "val_report.csv")}
