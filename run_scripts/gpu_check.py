@@ -33,6 +33,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import shlex
@@ -54,6 +55,7 @@ MAX_TRANSFER_FILES = 8  # what the device tool brings back from $OUT
 MAX_COPIED_FILE_BYTES = 4 << 20  # a run directory's file larger than this stays behind (none of its logs is)
 LEFT_BEHIND = (".pth.tar", "run.lock", "trace.json")  # checkpoints, the lock, the profiler's Chrome trace
 STOP_GRACE_SECONDS = 10
+NOT_FOUND_EXIT_STATUS = 127  # a command that could not start, as a shell says it
 DEADLINE_EXIT_STATUS = 75  # gpu_demo_matrix.sh: runs left for want of time, none failed (sysexits' EX_TEMPFAIL)
 GRAPHS_REPEATS = 3
 MATRIX_RUN_SECONDS = 40  # one digits run on an H200 took about 26 s (2026-11-26): gpu_demo_matrix.sh's RUN_SECONDS
@@ -83,7 +85,6 @@ class Settings:
     runs_copy: Path  # where the matrix's run directories are copied, without checkpoints
     scratch: Path  # the steps' own run directories (checkpoints, traces): left on the machine
     cuda_graphs: bool  # whether the scripts have --cuda-graphs yet (another change of issue 41 adds it)
-    date: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +119,12 @@ class Outcome:
 def env_step(settings: Settings) -> Step:
     """env.txt: the session's date (first line, as results_summary reads it), nvidia-smi, the clocks,
     the versions, nvidia-smi -q."""
-    versions = ("import platform, torch, torchvision; from importlib import metadata; "
-                "print('python', platform.python_version(), '| torch', torch.__version__, '| torchvision', "
-                "torchvision.__version__, '| CUDA', torch.version.cuda, '| cuDNN', torch.backends.cudnn.version(), "
-                "'| DALI', *[found.version for found in metadata.distributions() "
-                "if (found.metadata['Name'] or '').startswith('nvidia-dali')] or ['not installed'])")
+    # The bench's own record of the machine (common.tools.bench.machine.versions), and what it leaves out.
+    versions = ('import json, platform, torch; from importlib import metadata; '
+                'from common.tools.bench.machine import versions; '
+                'print(json.dumps({**versions(), "python": platform.python_version(), '
+                '"cudnn": torch.backends.cudnn.version(), "dali": [found.version for found in '
+                'metadata.distributions() if (found.metadata["Name"] or "").startswith("nvidia-dali")]}))')
     commands = (("nvidia-smi",),
                 ("nvidia-smi", "--query-gpu=name,uuid,driver_version,pstate,clocks.sm,clocks.max.sm,clocks.mem,"
                  "power.limit,temperature.gpu,clocks_event_reasons.active", "--format=csv"),
@@ -311,8 +313,13 @@ def run_command(command: Sequence[str], env: Mapping[str, object], log, timeout:
     log.write(f"$ {shlex.join(command)}\n")
     log.flush()
     variables = {name: value() if callable(value) else value for name, value in env.items()}
-    process = subprocess.Popen(list(command), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1", **variables), start_new_session=True)
+    try:
+        process = subprocess.Popen(list(command), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1", **variables),
+                                   start_new_session=True)
+    except OSError as error:  # not installed here (nvidia-smi on a machine without the driver's tools)
+        log.write(f"(could not start: {error.strerror})\n")
+        return NOT_FOUND_EXIT_STATUS
     try:
         return process.wait(timeout=max(timeout, 0.001))
     except subprocess.TimeoutExpired:
@@ -500,7 +507,7 @@ def has_cuda_graphs_flag() -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[str]] = visible_gpu,
-         show: Callable[[str], None] = print) -> int:
+         show: Callable[[str], None] = functools.partial(print, flush=True)) -> int:
     """Exit status: 0 no part failed, 1 one did; a UsageError for main's caller to print."""
     args = build_parser().parse_args(argv)
     names = list(dict.fromkeys(args.parts or PARTS))
@@ -513,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     out = (args.out or REPO / "results" / kind_folder).resolve()
     settings = Settings(sys.executable, out, REPO / "results" / "runs" / f"gpu-{date}",
                         REPO / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"),
-                        has_cuda_graphs_flag(), date)
+                        has_cuda_graphs_flag())
     clock = Clock(args.seconds, args.dry_run)
     parts = build_parts(names, settings, clock.wall_deadline)
     show(f"gpu_check: {'dry run, ' if args.dry_run else ''}{gpu or 'no GPU'}; deadline {args.seconds} s, "

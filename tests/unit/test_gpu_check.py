@@ -186,8 +186,11 @@ def test_a_steps_status_is_its_exit_status(tmp_path):
     outcome = gpu_check.run_part(part, clock, tmp_path, show=lambda line: None)
     assert outcome.status == "failed (exit 3)"
     assert gpu_check.run_step(part.steps[2], clock, tmp_path) == "stopped at the deadline"  # the matrix's 75
+    missing = gpu_check.Step("missing", (("no-such-command-here",),), "fake.log", 1, 0)
+    assert gpu_check.run_step(missing, clock, tmp_path) == "failed (exit 127)"
     log = (tmp_path / "fake.log").read_text()
-    assert log.count("$ ") == 4 and "hello\n" in log
+    assert log.count("$ ") == 5 and "hello\n" in log
+    assert log.endswith("$ no-such-command-here\n(could not start: No such file or directory)\n")
 
 
 def test_a_step_past_the_deadline_is_stopped_with_its_children(tmp_path):
@@ -274,7 +277,7 @@ def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
         (out / name).write_text(name)
     summary = out / "summary-tests-bench.txt"
     summary.write_text("summary")
-    settings = gpu_check.Settings(sys.executable, out, runs_copy, tmp_path / "scratch", True, "2026-11-28")
+    settings = gpu_check.Settings(sys.executable, out, runs_copy, tmp_path / "scratch", True)
     archive = gpu_check.pack(out, summary, settings, "gpu-h100-2026-11-28")
     assert archive.name == "gpu-check-tests-bench.tar.gz"
     assert sorted(out.iterdir()) == [archive, summary]  # within the device tool's 8 files
