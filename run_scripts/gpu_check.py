@@ -195,7 +195,8 @@ def matrix_part(settings: Settings, deadline: Callable[[], float]) -> Part:
     step = Step("matrix", (command,), "matrix.log", 420, 60,
                 env={"PYTHON": settings.python, "LOGDIR": str(logdir), "RUN_SECONDS": str(MATRIX_RUN_SECONDS),
                      "MATRIX_DEADLINE": lambda: str(int(deadline()))},
-                after=lambda: copy_note(copy_run_logs(logdir, settings.runs_copy)))
+                after=lambda: "; ".join(filter(None, (last_line(settings.out / "matrix.log"),
+                                                      copy_note(copy_run_logs(logdir, settings.runs_copy))))))
     return Part("matrix", (step,))
 
 
@@ -323,18 +324,27 @@ def run_command(command: Sequence[str], env: Mapping[str, object], log, timeout:
     try:
         return process.wait(timeout=max(timeout, 0.001))
     except subprocess.TimeoutExpired:
-        for stop, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, None)):
-            try:
-                os.killpg(process.pid, stop)
-            except ProcessLookupError:
-                break
-            try:
-                process.wait(timeout=grace)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(process)
         log.write(f"\n(stopped at the deadline, after {timeout:.0f} s)\n")
         return None
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (pytest's and the scripts' own children too), SIGKILL to
+    what is left of it after STOP_GRACE_SECONDS; back once none of it runs (or a few seconds after)."""
+    for stop, grace in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, stop)
+        except ProcessLookupError:
+            return
+        give_up = time.monotonic() + grace
+        while time.monotonic() < give_up:
+            process.poll()  # the leader reaped, so that only live members (or unreaped orphans) answer
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def run_step(step: Step, clock: Clock, out: Path) -> str:
@@ -424,8 +434,8 @@ def summary_text(outcomes: Sequence[Outcome], header: str) -> str:
     return "\n".join(lines + ["", "skipped: " + (", ".join(skipped) or "nothing")]) + "\n"
 
 
-def pack(out: Path, summary: Path, settings: Settings, kind_folder: str) -> Path:
-    """Every file of `out`, and the matrix's copied runs, into one archive whose paths are the
+def pack(out: Path, summary: Path, runs: Optional[Path], kind_folder: str) -> Path:
+    """Every file of `out`, and the matrix's copied `runs` (None: no matrix ran), into one archive whose paths are the
     repository's (results/gpu-<kind>-<date>/..., results/runs/gpu-<date>/...); the packed files but the
     summary are removed, so `out` holds two files, within the device tool's MAX_TRANSFER_FILES."""
     archive = out / f"gpu-check-{summary.stem.removeprefix('summary-')}.tar.gz"
@@ -433,8 +443,8 @@ def pack(out: Path, summary: Path, settings: Settings, kind_folder: str) -> Path
     with tarfile.open(archive, "w:gz") as tar:
         for path in [*packed, summary]:  # the summary stays beside the archive too, to be read first
             tar.add(path, arcname=f"results/{kind_folder}/{path.relative_to(out).as_posix()}")
-        if settings.runs_copy.is_dir():
-            tar.add(settings.runs_copy, arcname=f"results/runs/{settings.runs_copy.name}")
+        if runs is not None and runs.is_dir():
+            tar.add(runs, arcname=f"results/runs/{runs.name}")
     for path in packed:
         path.unlink()
     for folder in sorted((path for path in out.rglob("*") if path.is_dir()), reverse=True):
@@ -538,7 +548,8 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     summary = out / f"summary-{'-'.join(names)}.txt"
     summary.write_text(text)
     if args.pack and not args.dry_run:
-        show(f"packed: {pack(out, summary, settings, kind_folder)} (tar -xzf it at the repository's root)")
+        runs = settings.runs_copy if "matrix" in names else None
+        show(f"packed: {pack(out, summary, runs, kind_folder)} (tar -xzf it at the repository's root)")
     return 1 if any(outcome.status.startswith("failed") for outcome in outcomes) else 0
 
 

@@ -277,8 +277,7 @@ def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
         (out / name).write_text(name)
     summary = out / "summary-tests-bench.txt"
     summary.write_text("summary")
-    settings = gpu_check.Settings(sys.executable, out, runs_copy, tmp_path / "scratch", True)
-    archive = gpu_check.pack(out, summary, settings, "gpu-h100-2026-11-28")
+    archive = gpu_check.pack(out, summary, runs_copy, "gpu-h100-2026-11-28")
     assert archive.name == "gpu-check-tests-bench.tar.gz"
     assert sorted(out.iterdir()) == [archive, summary]  # within the device tool's 8 files
     with tarfile.open(archive) as tar:
@@ -336,6 +335,26 @@ def test_the_matrix_starts_no_run_past_its_deadline(tmp_path):
     assert result.returncode == 75, (result.stdout, result.stderr)
     assert result.stdout.splitlines()[-1] == f"not run before the deadline: {' '.join(MATRIX_RUNS)}"
     assert "==" not in result.stdout
+
+
+def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp_path, monkeypatch):
+    """The matrix part as on a GPU: gpu_demo_matrix.sh gets PYTHON, LOGDIR and the deadline, and starts
+    no run when a run's seconds exceed what is left (75: stopped, not failed); the archive holds its log."""
+    monkeypatch.setattr(sys, "executable", str(fake_python(tmp_path)))  # the interpreter of every step
+    monkeypatch.setattr(gpu_check, "MATRIX_RUN_SECONDS", 10 ** 6)
+    monkeypatch.setattr(gpu_check, "env_step", lambda settings: fake_step("env", "", log="env.txt"))
+    monkeypatch.setattr(gpu_check, "has_cuda_graphs_flag", lambda: False)
+    out = tmp_path / "out"
+    assert gpu_check.main(["--out", str(out), "--pack", "matrix"], gpu_name=lambda: H100,
+                          show=lambda line: None) == 0
+    summary = out / "summary-matrix.txt"
+    assert sorted(path.name for path in out.iterdir()) == ["gpu-check-matrix.tar.gz", summary.name]
+    lines = summary.read_text().splitlines()
+    assert lines[4].startswith("matrix    stopped at the deadline ") and lines[4].endswith(
+        f"not run before the deadline: {' '.join(MATRIX_RUNS)}; 0 run directories copied, 0 file(s) left behind")
+    with tarfile.open(out / "gpu-check-matrix.tar.gz") as tar:
+        log = tar.extractfile(f"results/gpu-h100-{datetime.date.today().isoformat()}/matrix.log").read().decode()
+    assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n")
 
 
 @pytest.mark.parametrize("variable", ["MATRIX_DEADLINE", "RUN_SECONDS"])
