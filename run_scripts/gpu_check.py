@@ -158,31 +158,34 @@ def profile_part(settings: Settings) -> Part:
         command = (settings.python, *STEP_FLAGS, "--steps-per-epoch", "30", "--profile-steps", "10",
                    "--logdir", str(logdir), "--run-name", name, *flags)
         target = settings.out / f"profile-resnet50-b256-{name}-summary.txt"
+        # 40 s: a guess (two processes' start, cuDNN's autotuning, 30 steps, the trace written); not timed yet.
         steps.append(Step(f"profile {name}", (command,), "profile.log", 40, 40,
                           after=lambda logdir=logdir, name=name, target=target: copy_profile(logdir / name, target)))
     return Part("profile", tuple(steps))
 
 
 def graphs_part(settings: Settings) -> Part:
-    """images/s of the default step eager and graphed, alternating (drift lands on both alike), into graphs.csv."""
+    """images/s of the default step eager then graphed, GRAPHS_REPEATS pairs (a pair a step, so a deadline
+    leaves whole pairs and any drift lands on both alike), into graphs.csv."""
     if not settings.cuda_graphs:
         return Part("graphs", (), unavailable="imagenet_ddp_apex.py has no --cuda-graphs flag here")
     table = settings.out / "graphs.csv"
     steps = []
     for repeat in range(1, GRAPHS_REPEATS + 1):
-        for mode in ("off", "on"):
-            run_dir = settings.scratch / "graphs" / f"{mode}-{repeat}"
-            command = (settings.python, *STEP_FLAGS, "--steps-per-epoch", "50", "--cuda-graphs", mode,
-                       "--logdir", str(run_dir.parent), "--run-name", run_dir.name)
-            steps.append(Step(f"graphs {mode} {repeat}", (command,), "graphs.log", 30, 30,
-                              after=lambda run_dir=run_dir, mode=mode, repeat=repeat: add_throughput_row(
-                                  table, run_dir, mode, repeat)))
+        run_dirs = {mode: settings.scratch / "graphs" / f"{mode}-{repeat}" for mode in ("off", "on")}
+        commands = tuple((settings.python, *STEP_FLAGS, "--steps-per-epoch", "50", "--cuda-graphs", mode,
+                          "--logdir", str(run_dir.parent), "--run-name", run_dir.name)
+                         for mode, run_dir in run_dirs.items())
+        steps.append(Step(f"graphs pair {repeat}", commands, "graphs.log", 60, 60,
+                          after=lambda run_dirs=run_dirs, repeat=repeat: "; ".join(
+                              add_throughput_row(table, run_dir, mode, repeat) for mode, run_dir in run_dirs.items())))
     return Part("graphs", tuple(steps), after=lambda: graphs_note(table))
 
 
 def bench_part(settings: Settings) -> Part:
     """Both sections' rows reach the CSV as they come: a bench stopped at the deadline keeps the ones done."""
     command = (settings.python, *BENCH_FLAGS, "--csv", str(settings.out / "bench.csv"))
+    # 420 s: a guess, about 20 s for each of its 18 processes and the JPEGs made; 150 s: its train section.
     return Part("bench", (Step("bench", (command,), "bench.log", 420, 150,
                                after=lambda: last_line(settings.out / "bench.log")),))
 
@@ -192,6 +195,7 @@ def matrix_part(settings: Settings, deadline: Callable[[], float]) -> Part:
     accuracy check still runs); then the run directories are copied without their checkpoints."""
     logdir = settings.scratch / "matrix"
     command = ("bash", "run_scripts/gpu_demo_matrix.sh")
+    # 420 s: 10 runs of MATRIX_RUN_SECONDS and the digits written; 60 s: the digits and one run.
     step = Step("matrix", (command,), "matrix.log", 420, 60,
                 env={"PYTHON": settings.python, "LOGDIR": str(logdir), "RUN_SECONDS": str(MATRIX_RUN_SECONDS),
                      "MATRIX_DEADLINE": lambda: str(int(deadline()))},
@@ -429,8 +433,8 @@ def summary_text(outcomes: Sequence[Outcome], header: str) -> str:
         lines.append(f"{outcome.part:8}  {outcome.status:32}  {outcome.seconds:7.0f}  {' | '.join(outcome.notes)}")
     skipped = [f"{outcome.part} ({'; '.join(outcome.notes)})" for outcome in outcomes
                if outcome.status == "skipped"]
-    skipped += [f"{outcome.part}: {note}" for outcome in outcomes if outcome.status.startswith("partial")
-                for note in outcome.notes if " needs at least " in note]
+    skipped += [f"{outcome.part}: {note}" for outcome in outcomes if outcome.status != "skipped"
+                for note in outcome.notes if " needs at least " in note]  # the steps a part left
     return "\n".join(lines + ["", "skipped: " + (", ".join(skipped) or "nothing")]) + "\n"
 
 

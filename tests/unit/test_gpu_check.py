@@ -68,7 +68,7 @@ def test_the_parts_run_in_the_order_named_after_env(tmp_path, monkeypatch):
 def test_the_default_order_is_most_valuable_first(tmp_path, monkeypatch):
     _, _, summary = dry_run(tmp_path, "--seconds", "5000", graphs=True, monkeypatch=monkeypatch)
     assert summary.name == "summary-tests-profile-graphs-bench-matrix.txt"
-    # Each step takes its estimate: env 5, tests 180, profile 3 x 40, graphs 6 x 30, bench 420, matrix 420.
+    # Each step takes its estimate: env 5, tests 180, profile 3 x 40, graphs 3 pairs x 60, bench 420, matrix 420.
     assert table_rows(summary) == [("env", "would run", 5), ("tests", "would run", 180),
                                    ("profile", "would run", 120), ("graphs", "would run", 180),
                                    ("bench", "would run", 420), ("matrix", "would run", 420)]
@@ -94,10 +94,12 @@ def test_a_deadline_too_short_for_anything_skips_every_part(tmp_path, monkeypatc
 
 
 def test_a_part_cut_short_names_the_steps_it_left(tmp_path, monkeypatch):
-    # 180 s less 20 kept, less env's 5: 155 s for six graphs runs of 30 s: five start, the last has 5 s.
-    _, _, summary = dry_run(tmp_path, "--seconds", "180", "graphs", graphs=True, monkeypatch=monkeypatch)
-    assert table_rows(summary)[1] == ("graphs", "partial (5 of 6 steps)", 150)
-    assert summary.read_text().splitlines()[-1] == "skipped: graphs: graphs on 3 needs at least 30 s, 5 s left"
+    # 180 s less 20 kept, less env's 5: 155 s for three pairs of graphs runs of 60 s: two start, the last has 35 s.
+    _, lines, summary = dry_run(tmp_path, "--seconds", "180", "graphs", graphs=True, monkeypatch=monkeypatch)
+    assert table_rows(summary)[1] == ("graphs", "partial (2 of 3 steps)", 120)
+    assert summary.read_text().splitlines()[-1] == "skipped: graphs: graphs pair 3 needs at least 60 s, 35 s left"
+    pairs = [line.split("--cuda-graphs ")[1].split()[0] for line in lines if "--cuda-graphs" in line]
+    assert pairs == ["off", "on", "off", "on"]  # whole pairs, eager first
 
 
 def test_the_dry_run_prints_each_steps_exact_command(tmp_path, monkeypatch):
