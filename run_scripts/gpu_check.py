@@ -10,7 +10,7 @@ a GPU session owes this project, within a deadline, most valuable first
 The parts (env always comes first: a few seconds):
   tests    the `gpu`-marked tests (pytest -m gpu)
   profile  --profile-steps of the default step (imagenet_ddp_apex.py, ResNet-50, batch 256, synthetic
-           data); with --cuda-graphs off and on too where the scripts have that flag
+           data); with --cuda-graphs off and on where the scripts have that flag (auto is one of them)
   graphs   the same step's images/s with --cuda-graphs off and on, alternating, 3 of each
   bench    python -m common.tools.bench --device cuda, its train and end-to-end sections, 3 repeats
   matrix   run_scripts/gpu_demo_matrix.sh (every script, O0-O3 in fp16 and bf16, each >= 95% top-1),
@@ -148,10 +148,10 @@ def tests_part(settings: Settings) -> Part:
 
 
 def profile_part(settings: Settings) -> Part:
-    """The default step profiled, then (where the flag exists) eager and graphed: one run each."""
-    variants = [("default", ())]
-    if settings.cuda_graphs:
-        variants += [("eager", ("--cuda-graphs", "off")), ("graphs", ("--cuda-graphs", "on"))]
+    """The default step profiled; where --cuda-graphs exists, eager and graphed, one run each (its auto
+    is one of the two: the run's own line says which)."""
+    variants = [("eager", ("--cuda-graphs", "off")), ("graphs", ("--cuda-graphs", "on"))] if settings.cuda_graphs \
+        else [("default", ())]
     steps = []
     for name, flags in variants:
         logdir = settings.scratch / "profile"

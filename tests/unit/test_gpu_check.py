@@ -68,9 +68,9 @@ def test_the_parts_run_in_the_order_named_after_env(tmp_path, monkeypatch):
 def test_the_default_order_is_most_valuable_first(tmp_path, monkeypatch):
     _, _, summary = dry_run(tmp_path, "--seconds", "5000", graphs=True, monkeypatch=monkeypatch)
     assert summary.name == "summary-tests-profile-graphs-bench-matrix.txt"
-    # Each step takes its estimate: env 5, tests 180, profile 3 x 40, graphs 3 pairs x 60, bench 420, matrix 420.
+    # Each step takes its estimate: env 5, tests 180, profile 2 x 40, graphs 3 pairs x 60, bench 420, matrix 420.
     assert table_rows(summary) == [("env", "would run", 5), ("tests", "would run", 180),
-                                   ("profile", "would run", 120), ("graphs", "would run", 180),
+                                   ("profile", "would run", 80), ("graphs", "would run", 180),
                                    ("bench", "would run", 420), ("matrix", "would run", 420)]
     assert summary.read_text().splitlines()[-1] == "skipped: nothing"
 
@@ -135,7 +135,9 @@ def test_graphs_and_profile_pair_eager_and_graphed_only_where_the_flag_exists(tm
     _, lines, _ = dry_run(tmp_path / "with", "profile", "graphs", graphs=True, monkeypatch=monkeypatch)
     modes = [line.split("--cuda-graphs ")[1].split()[0] if "--cuda-graphs" in line else "default"
              for line in lines if line.startswith("    ") and "imagenet_ddp_apex.py" in line]
-    assert modes == ["default", "off", "on"] + ["off", "on"] * 3
+    assert modes == ["off", "on"] + ["off", "on"] * 3  # the profiles, then the graphs part's pairs
+    assert [line.split("--run-name ")[1] for line in lines if "--profile-steps" in line] == [
+        "eager --cuda-graphs off", "graphs --cuda-graphs on"]
 
 
 def test_the_scripts_flag_is_looked_up_in_their_parser():
