@@ -11,7 +11,7 @@ The parts (env always comes first: a few seconds):
   tests    the `gpu`-marked tests (pytest -m gpu)
   profile  --profile-steps of the default step (imagenet_ddp_apex.py, ResNet-50, batch 256, synthetic
            data); with --cuda-graphs off and on where the scripts have that flag (auto is one of them)
-  graphs   the same step's images/s with --cuda-graphs off and on, alternating, 3 of each
+  graphs   the same step's images/s with --cuda-graphs off then on, 3 such pairs
   bench    python -m common.tools.bench --device cuda, its train and end-to-end sections, 3 repeats
   matrix   run_scripts/gpu_demo_matrix.sh (every script, O0-O3 in fp16 and bf16, each >= 95% top-1),
            its run directories copied without checkpoints into results/runs/gpu-<date>/
@@ -25,7 +25,7 @@ back 8 files at most) leaves only that summary and one archive there, whose path
 repository's: `tar -xzf gpu-check-*.tar.gz` at the repository's root puts every file in its place.
 
 Exit status: 0 when no part failed (skipped ones included), 1 when one did, 2 for a mistake in the
-command line or no CUDA GPU (one line). The standard library only until a part runs.
+command line or no CUDA GPU (one line). torch is imported only to find the GPU; a dry run needs none.
 """
 from __future__ import annotations
 
@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print each step's commands and the deadline arithmetic (each step taking its "
                              "estimate); run nothing, need no GPU. gpu_check.sh: GPU_CHECK_DRY_RUN=1")
-    parser.add_argument("--kind", default=None, metavar="NAME",
+    parser.add_argument("--kind", type=_kind, default=None, metavar="NAME",
                         help="the GPU's short name in the folder's name (default: from the GPU's, e.g. h100)")
     return parser
 
@@ -485,6 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _part(text: str) -> str:
     if text not in PARTS:  # argparse's choices refuse nargs="*"'s empty default on Python 3.11 and older
         raise argparse.ArgumentTypeError(f"unknown part {text!r} (choose from {', '.join(PARTS)})")
+    return text
+
+
+def _kind(text: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]{1,32}", text):  # a part of a folder's name, nothing more
+        raise argparse.ArgumentTypeError(f"expected lower-case letters and digits like h100, got {text!r}")
     return text
 
 
@@ -520,6 +526,16 @@ def has_cuda_graphs_flag() -> bool:
     return any("--cuda-graphs" in action.option_strings for action in flags.build_parser("ddp_apex")._actions)
 
 
+def make_folder(out: Path) -> None:
+    """--out made (with its parents), or one line saying why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"argument --out: {out} is a file, not a folder") from None
+    except OSError as error:
+        raise UsageError(f"argument --out: cannot create {out} ({error.strerror})") from None
+
+
 def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[str]] = visible_gpu,
          show: Callable[[str], None] = functools.partial(print, flush=True)) -> int:
     """Exit status: 0 no part failed, 1 one did; a UsageError for main's caller to print."""
@@ -529,7 +545,7 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     if gpu is None and not args.dry_run:
         raise UsageError(f"no CUDA GPU is visible to {sys.executable} (torch.cuda.is_available() is False); "
                          f"--dry-run shows what would run")
-    date = datetime.date.today().isoformat()
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     kind_folder = f"gpu-{args.kind or gpu_kind(gpu or 'unknown')}-{date}"
     out = (args.out or REPO / "results" / kind_folder).resolve()
     settings = Settings(sys.executable, out, REPO / "results" / "runs" / f"gpu-{date}",
@@ -540,7 +556,7 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     show(f"gpu_check: {'dry run, ' if args.dry_run else ''}{gpu or 'no GPU'}; deadline {args.seconds} s, "
          f"{RESERVE_SECONDS} s of it kept for the summary; output: {out}")
     if not args.dry_run:
-        out.mkdir(parents=True, exist_ok=True)
+        make_folder(out)
     outcomes = [run_part(part, clock, out, show) for part in parts]
     header = (f"gpu_check {' '.join(names)}: {gpu or 'no GPU'}, {session_date()}, deadline {args.seconds} s"
               + (" (dry run: each step taking its estimate)" if args.dry_run else ""))
@@ -548,7 +564,7 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     show(text)
     if args.dry_run and args.out is None:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     summary = out / f"summary-{'-'.join(names)}.txt"
     summary.write_text(text)
     if args.pack and not args.dry_run:

@@ -155,9 +155,10 @@ def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
     assert list(tmp_path.iterdir()) == []
     lines = []
     assert gpu_check.main(["--dry-run"], gpu_name=lambda: None, show=lines.append) == 0
-    assert f"output: {REPO}/results/gpu-unknown-{datetime.date.today().isoformat()}" in lines[0]
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert f"output: {REPO}/results/gpu-unknown-{today}" in lines[0]
     assert lines[-1].splitlines()[-1].startswith("skipped: ")
-    assert not (REPO / "results" / f"gpu-unknown-{datetime.date.today().isoformat()}").exists()  # nothing written
+    assert not (REPO / "results" / f"gpu-unknown-{today}").exists()  # nothing written
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -169,6 +170,26 @@ def test_mistakes_are_one_line(arguments, message):
     with pytest.raises(gpu_check.UsageError) as raised:
         gpu_check.main(arguments, gpu_name=lambda: H100)
     assert str(raised.value) == f"{message} (see --help)"
+
+
+def test_a_kind_names_a_folder_and_nothing_more(tmp_path):
+    with pytest.raises(gpu_check.UsageError, match=r"^argument --kind: expected lower-case letters and digits like "
+                                                   r"h100, got '\.\./\.\./etc' \(see --help\)$"):
+        gpu_check.main(["--dry-run", "--kind", "../../etc"], gpu_name=lambda: H100)
+    lines = []
+    gpu_check.main(["--dry-run", "--kind", "h100nvl"], gpu_name=lambda: H100, show=lines.append)
+    assert f"output: {REPO}/results/gpu-h100nvl-" in lines[0]
+
+
+def test_an_out_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "has_cuda_graphs_flag", lambda: False)
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "file", f"argument --out: {tmp_path / 'file'} is a file, not a folder"),
+                         (tmp_path / "file" / "below", f"argument --out: cannot create {tmp_path / 'file' / 'below'} "
+                                                       f"(Not a directory)")):
+        with pytest.raises(gpu_check.UsageError) as raised:
+            gpu_check.main(["--out", str(out), "tests"], gpu_name=lambda: H100, show=lambda line: None)
+        assert str(raised.value) == message
 
 
 @pytest.mark.parametrize("name, kind", [(H100, "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
@@ -357,7 +378,8 @@ def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp
     assert lines[4].startswith("matrix    stopped at the deadline ") and lines[4].endswith(
         f"not run before the deadline: {' '.join(MATRIX_RUNS)}; 0 run directories copied, 0 file(s) left behind")
     with tarfile.open(out / "gpu-check-matrix.tar.gz") as tar:
-        log = tar.extractfile(f"results/gpu-h100-{datetime.date.today().isoformat()}/matrix.log").read().decode()
+        today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        log = tar.extractfile(f"results/gpu-h100-{today}/matrix.log").read().decode()
     assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n")
 
 
