@@ -35,7 +35,7 @@ SCALING_MODEL ?= $(wildcard results/scaling/upstream-v100-hal.csv)
 # GPU sessions' --profile-steps summaries (an env.txt beside each names the GPU and the date).
 PROFILES ?= $(wildcard results/gpu-*/profile-*-summary.txt)
 
-.PHONY: demo test test-all bench figures venv clean
+.PHONY: demo test test-all bench gpu-check figures venv clean
 
 venv: $(INSTALLED)
 
@@ -61,6 +61,14 @@ test-all: $(TEST_INSTALLED)
 # `make bench`: the speed harness (README, "Speed"): ratios against the plain reference, a CSV in runs/bench/.
 bench: $(INSTALLED)
 	$(PY) -m common.tools.bench
+
+# `make gpu-check`: on a machine with a CUDA GPU, the GPU record in one call
+# (docs/tests.md#the-gpu-record-in-one-call): the parts in GPU_CHECK_PARTS (default: tests profile graphs
+# bench matrix, most valuable first) within GPU_CHECK_SECONDS (default 540). It builds no venv: .venv's
+# python where there is one, else python3 (a GPU image's, offline).
+GPU_CHECK_PARTS ?=
+gpu-check:
+	bash run_scripts/gpu_check.sh $(GPU_CHECK_PARTS)
 
 figures: $(INSTALLED)
 	$(PY) -m common.tools.plots $(RUNS) --out figures

@@ -6,12 +6,23 @@
 #   bash run_scripts/gpu_demo_matrix.sh                               # into results/runs/gpu-<date>/
 #   LOGDIR=runs/gpu-check PYTHON=.venv/bin/python bash run_scripts/gpu_demo_matrix.sh --data-backend dali
 #
-# Extra arguments go to every run. About 10 runs of 8 short epochs: minutes on one GPU.
+# Extra arguments go to every run. About 10 runs of 8 short epochs: minutes on one GPU (about 26 s a run on
+# an H200). MATRIX_DEADLINE (seconds since 1970, as `date +%s`): a run starts only while RUN_SECONDS (default
+# 40) fit before it; the others are listed as not run, and the status is then 75 (sysexits' EX_TEMPFAIL: run
+# them again) unless a run failed (1). run_scripts/gpu_check.sh sets it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LOGDIR=${LOGDIR:-results/runs/gpu-$(date +%Y-%m-%d)}
 MIN_TOP1=${MIN_TOP1:-95}
+MATRIX_DEADLINE=${MATRIX_DEADLINE:-}
+RUN_SECONDS=${RUN_SECONDS:-40}
+for variable in MATRIX_DEADLINE RUN_SECONDS; do  # numbers only: bash arithmetic would run a $(command) in them
+  if [[ -n ${!variable} && ! ${!variable} =~ ^[0-9]{1,12}$ ]]; then
+    echo "gpu_demo_matrix.sh: error: $variable must be whole seconds, got '${!variable}'" >&2
+    exit 2
+  fi
+done
 
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu_demo_matrix.sh: error: no CUDA GPU is visible to $PYTHON" >&2
@@ -20,10 +31,15 @@ fi
 
 names=()     # the runs that ended, checked below
 crashed=()   # the runs that failed, with their exit status
+late=()      # the runs not started: they would have ended past MATRIX_DEADLINE
 EXTRA=("$@")
 run() {  # run NAME SCRIPT [flags...]: a run that fails is noted, and the others still run
   local name=$1 script=$2 status=0
   shift 2
+  if [[ -n $MATRIX_DEADLINE ]] && (( $(date +%s) + RUN_SECONDS > MATRIX_DEADLINE )); then
+    late+=("$name")
+    return
+  fi
   echo "== $name: $script $*"
   PYTHON=$PYTHON LOGDIR=$LOGDIR SCRIPT=$script bash run_scripts/demo.sh --run-name "$name" "$@" \
     ${EXTRA[@]+"${EXTRA[@]}"} || status=$?
@@ -61,5 +77,9 @@ EOF
 if (( ${#crashed[@]} )); then
   echo "failed: ${crashed[*]}" >&2
   status=1
+fi
+if (( ${#late[@]} )); then
+  echo "not run before the deadline: ${late[*]}"
+  if [[ $status == 0 ]]; then status=75; fi
 fi
 exit "$status"

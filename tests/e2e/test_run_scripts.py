@@ -33,7 +33,7 @@ SIGNALS_FOR_TORCHRUN = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 def test_the_expected_files_are_there():
     # The parametrised checks below would pass vacuously on an empty folder.
-    assert {"demo.sh", "slurm_launch_per_node.sbatch", "slurm_srun_per_gpu.sbatch",
+    assert {"demo.sh", "gpu_demo_matrix.sh", "gpu_check.sh", "slurm_launch_per_node.sbatch", "slurm_srun_per_gpu.sbatch",
             "slurm_torchrun.sbatch"} <= {path.name for path in SHELL_FILES}
 
 
@@ -44,6 +44,18 @@ def test_the_gpu_demo_matrix_stops_at_once_without_a_gpu(tmp_path):
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"gpu_demo_matrix.sh: error: no CUDA GPU is visible to {sys.executable}"]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would run its parts")
+def test_the_gpu_check_stops_at_once_without_a_gpu(tmp_path):
+    result = subprocess.run(["bash", RUN_SCRIPTS / "gpu_check.sh", "tests"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+                                 "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"gpu_check.py: error: no CUDA GPU is visible to {sys.executable} (torch.cuda.is_available() is False); "
+        f"--dry-run shows what would run"]
+    assert not (tmp_path / "out").exists()
 
 
 # --- syntax ---
