@@ -13,9 +13,11 @@ import sys
 
 import pytest
 
+from common import flags
 from common.errors import UsageError
 from common.tools import results
-from common.tools.bench import command_line, flops, processes, repeats, report, sections, targets
+from common.tools.bench import command_line, flops, processes, repeats, report, sections, settings as bench_settings
+from common.tools.bench import targets
 from common.tools.bench.gpu_monitor import GpuMonitor, GpuSample, gpu_state, gpus_to_sample, parse_gpu_sample
 from common.tools.bench.settings import Settings
 from common.tools.scaling import bus_bandwidth
@@ -292,6 +294,38 @@ def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monk
             processes.run_script("imagenet_nd.py", [], settings(device=device), tmp_path, data=data, workers=workers)
     assert [command[command.index("-j") + 1] for command in commands] == [synthetic_workers, "12"]
     assert "--synthetic" in commands[0] and "DATA" in commands[1]
+
+
+@pytest.mark.parametrize("scripts_default", [None, 6])
+def test_on_a_gpu_the_synthetic_and_every_real_data_row_use_the_scripts_default_workers(tmp_path, monkeypatch,
+                                                                                       scripts_default):
+    """Issue 41: on a GPU the end-to-end section's synthetic baseline and
+    its real-data rows run with the -j the
+    scripts default to, read from their parser (6: a default changed there
+    is followed), not -j 0 nor the largest of --workers; on the CPU the
+    synthetic rows keep -j 0 and the real ones the largest --workers."""
+    if scripts_default is not None:
+        parser = flags.build_parser("nd")
+        parser.set_defaults(workers=scripts_default)
+        monkeypatch.setattr(bench_settings, "build_parser", lambda mode: parser)
+    expected = scripts_default or flags.build_parser("nd").get_default("workers")
+    assert expected == (6 if scripts_default else 4)
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    commands = []
+
+    def stop(command, gpu=None):
+        commands.append(command)
+        raise processes.ChildFailed(command, 1, "stopped by the test")
+
+    monkeypatch.setattr(processes, "_run", stop)
+    for device, synthetic, real in (("cuda", expected, expected), ("cpu", 0, 12)):
+        commands.clear()
+        plan = settings(device=device, workers=[4, 8, 12], backends=("torchvision", "gpu"))
+        assert (plan.synthetic_workers, plan.data_workers) == (synthetic, real)
+        rows = sections.end_to_end_section(plan, tmp_path, str(root))
+        assert [(row["data_backend"], row["workers"]) for row in rows] == [
+            ("synthetic", synthetic), ("torchvision", real), ("gpu", real)]
+        assert [command[command.index("-j") + 1] for command in commands] == [str(synthetic), str(real), str(real)]
 
 
 def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():

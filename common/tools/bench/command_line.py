@@ -121,7 +121,8 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
                              "keeps `make bench` near 7 minutes on 2 cores)")
     parser.add_argument("--workers", type=non_negative_int, nargs="+", default=None,
                         help="data-loading worker counts of the input section (default: 1 2 on the CPU, "
-                             "4 8 12 on a GPU machine); the end-to-end section uses the largest")
+                             "4 8 12 on a GPU machine); on the CPU the end-to-end and storage sections use the "
+                             "largest; on a GPU they and the synthetic rows use the scripts' default -j")
     parser.add_argument("--input-batches", type=positive_int, default=None, help="default: 10 CPU, 40 GPU")
     parser.add_argument("--input-rounds", type=positive_int, default=None, help=argparse.SUPPRESS)  # replaced
     parser.add_argument("--backends", nargs="+", choices=END_TO_END_BACKENDS, default=None,

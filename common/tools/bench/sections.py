@@ -138,8 +138,9 @@ def end_to_end_section(settings: Settings, logdir: Path, root: str,
     the CPU, AMP + channels-last on a GPU) training on the JPEGs of `root`
     with each data backend of settings.backends, and on synthetic data, all in
     the same rounds: real over synthetic says how input-bound each backend
-    leaves training. A backend that cannot run here gets a row saying why."""
-    workers = max(settings.workers)
+    leaves training. -j: Settings.data_workers and synthetic_workers (on a
+    GPU both the scripts' default). A backend that cannot run here gets a row saying why."""
+    workers = settings.data_workers
     name = END_TO_END_CONFIG[settings.device == "cuda"]
     _, script, flags = next(config for config in TRAIN_CONFIGS if config[0] == name)
     # The first W + N batches of the epoch the scripts draw (seed 0): the files they will read, once each.
