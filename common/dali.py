@@ -279,9 +279,11 @@ class DaliDecoder:
         return images
 
 
-def build_pipeline(dali, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool):
+def build_pipeline(dali, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool,
+                   hw_decoder_load: Optional[float] = None):
     """The decoding pipeline (DaliDecoder's) for `device`: batches of up to `max_batch` files in, N x S x S x 3
-    uint8 images out (fed: feed_pipeline; taken: pipeline_images)."""
+    uint8 images out (fed: feed_pipeline; taken: pipeline_images). `hw_decoder_load`: the share of each batch
+    the GPU's hardware JPEG decoder takes (DALI's default where None; the bench's decode section varies it)."""
     on_gpu = device.type == "cuda"
     fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
     device_id = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
@@ -295,6 +297,8 @@ def build_pipeline(dali, device: torch.device, max_batch: int, threads: int, lib
                           normalized_anchor=False, normalized_shape=False)
     if on_gpu and libjpeg_chroma:  # the CPU decoder's chroma upsampling: Pillow's pixels, slower
         decode_options["jpeg_fancy_upsampling"] = True
+    if on_gpu and hw_decoder_load is not None:
+        decode_options["hw_decoder_load"] = hw_decoder_load
     if importlib.import_module("nvidia.dali.backend").GetSchema("decoders__ImageSlice").HasArgument(
             "adjust_orientation"):
         decode_options["adjust_orientation"] = False  # stored pixels, as Pillow and the reference read them

@@ -6,15 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-from common import provenance
-from common.flags import build_parser
+from common import config, provenance
 from common.tools.bench.gpu_monitor import GpuMonitor
-
-
-def scripts_default_workers() -> int:
-    """The entry scripts' default -j, read from their parser (common.flags),
-    where it is set: the harness follows it rather than copying the number."""
-    return build_parser("nd").get_default("workers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +46,9 @@ class Settings:
     @property
     def data_workers(self) -> int:
         """-j of every row that trains on or reads the JPEGs (end-to-end,
-        storage): on a GPU the scripts' default, which the synthetic rows use
-        too, so real over synthetic compares runs alike and says what a run
-        with the default flags gets (issue 41); on the CPU, whose cores the
-        step computes on, the largest of --workers (1 2 by default)."""
-        return scripts_default_workers() if self.device == "cuda" else max(self.workers)
+        storage, decode's DALI threads): on a GPU the scripts' default
+        (config.DATA_WORKERS, their -j's default), which the synthetic rows
+        use too, so real over synthetic compares runs alike and says what a
+        run with the default flags gets (issue 41); on the CPU, whose cores
+        the step computes on, the largest of --workers (1 2 by default)."""
+        return config.DATA_WORKERS if self.device == "cuda" else max(self.workers)
