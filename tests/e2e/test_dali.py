@@ -109,8 +109,22 @@ def dali_threads() -> list:
     return sorted(name for name in names if name.startswith("[DALI]"))
 
 
+@pytest.fixture
+def threads_at_fork(monkeypatch) -> list:
+    """DALI's threads (dali_threads) at each os.fork of this test, in turn."""
+    seen_at_fork = []
+    real_fork = os.fork
+
+    def recording_fork():
+        seen_at_fork.append(dali_threads())
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+    return seen_at_fork
+
+
 @needs_dali
-def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monkeypatch):
+def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, threads_at_fork):
     """A forked child has only the forking thread: a lock one of DALI's
     threads held at that instant would stay held in the data-loading worker
     for good (a run hung that way once in CI, its batch never coming). So the
@@ -118,14 +132,6 @@ def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monk
     its pipeline again at the next decode, which decodes as before."""
     root = numbered_tree(tmp_path / "numbered")
     loaders = loaders_for(root, "dali", rank=0, world_size=1)
-    threads_at_fork = []
-    real_fork = os.fork
-
-    def recording_fork():
-        threads_at_fork.append(dali_threads())
-        return real_fork()
-
-    monkeypatch.setattr(os, "fork", recording_fork)
     loaders.set_epoch(0)
     first_epoch = seen(loaders, loaders.train)
     assert dali_threads(), "DALI's pipeline decoded with no thread of its own: nothing checked here"
@@ -211,7 +217,7 @@ def test_a_batch_dali_refuses_while_others_are_in_flight_leaves_them_in_their_or
 
 
 @needs_dali
-def test_no_dali_thread_outlives_a_pass_left_early_nor_runs_at_a_fork(tmp_path, monkeypatch):
+def test_no_dali_thread_outlives_a_pass_left_early_nor_runs_at_a_fork(tmp_path, threads_at_fork):
     """A training pass left with batches in flight (a stop, an error) drops
     them and the pipeline's threads once its iterator is closed; one that is
     not closed still has them ended before the next pass forks its worker.
@@ -219,14 +225,6 @@ def test_no_dali_thread_outlives_a_pass_left_early_nor_runs_at_a_fork(tmp_path, 
     root = numbered_tree(tmp_path / "numbered")
     loaders = loaders_for(root, "dali", rank=0, world_size=1)
     decoder = loaders.dali
-    threads_at_fork = []
-    real_fork = os.fork
-
-    def recording_fork():
-        threads_at_fork.append(dali_threads())
-        return real_fork()
-
-    monkeypatch.setattr(os, "fork", recording_fork)
     loaders.set_epoch(0)
     left = decoder.ahead(loaders.batches("train"))
     first = next(left)

@@ -363,6 +363,15 @@ def test_the_decode_section_times_each_hw_decoder_load_on_a_gpu_and_a_labelled_b
     rows = sections.decode_section(settings(device="cuda"), "ROOT")
     assert specs == [] and len(rows) == 6
     assert all(row["images_per_second"] == "" and row["note"] == sections.DALI_MISSING for row in rows)
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: "")
+
+    def failing(spec, gpu=None):
+        raise processes.ChildFailed(["python"], 1, "RuntimeError: nvJPEG cannot start")
+
+    monkeypatch.setattr(sections, "run_child", failing)
+    rows = sections.decode_section(settings(device="cpu"), "ROOT")
+    assert [(row["images_per_second"], row["note"]) for row in rows] == [
+        ("", f"{sections.DECODE_CPU_NOTE}; failed in repeat 1: exit 1: RuntimeError: nvJPEG cannot start")] * 2
 
 
 def test_the_decode_section_runs_by_default_on_a_gpu_and_when_asked_for_on_the_cpu():

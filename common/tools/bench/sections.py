@@ -186,26 +186,40 @@ def decode_section(settings: Settings, root: str, save: Optional[Callable[[List[
                            f"{'mixed' if on_gpu else 'cpu'}" + (f", hw_decoder_load={load}" if on_gpu else ""),
                    measured_steps=spec["batches"], warmup_steps=spec["warmup"], note="" if on_gpu else DECODE_CPU_NOTE)
               for name, load in configs]
-    measured, failure = [[] for _ in configs], backend_missing("dali") or None
-    for round_ in range(1, settings.input_repeats + 1 if failure is None else 1):
-        try:
-            found = run_child(spec, settings.gpu)
-        except ChildFailed as error:
-            failure = f"failed in repeat {round_}: {error.reason}"
-            print(f"decode: {error}", flush=True)
-            break
+    measured = [[] for _ in configs]
+
+    def measured_once(round_: int, found: dict) -> None:
         for index, figures in enumerate(found["configs"]):
             measured[index].append(figures)
             print(f"decode {fields[index]['config']}: {figures['images_per_second']:.1f} images/s ({found['images']} "
                   f"JPEGs a batch; repeat {round_} of {settings.input_repeats})", flush=True)
         if save is not None and round_ < settings.input_repeats:
             save([finish(row, done, None, settings) for row, done in zip(fields, measured)])
+
+    failure = backend_missing("dali") or repeated_child("decode", spec, settings.input_repeats, settings.gpu,
+                                                        measured_once)
     return [emit(finish(row, done, failure, settings)) for row, done in zip(fields, measured)]
 
 
 def _decode_config(name: str, load: Optional[float]) -> str:
     what = "whole files" if name == "whole" else "training crops"
     return f"{what}, cpu decoder" if load is None else f"{what}, hw_decoder_load {load:g}"
+
+
+def repeated_child(section: str, spec: dict, repeats: int, gpu: Optional[GpuMonitor],
+                   measured_once: Callable[[int, dict], None]) -> Optional[str]:
+    """`spec`'s measurement (one process measuring all of a section's
+    configurations: comm, decode) in a fresh process per repeat, each
+    result given to measured_once(round, result); the failure that ended
+    the repeats ('failed in repeat N: ...'), None when none did."""
+    for round_ in range(1, repeats + 1):
+        try:
+            measured = run_child(spec, gpu)
+        except ChildFailed as error:
+            print(f"{section}: {error}", flush=True)
+            return f"failed in repeat {round_}: {error.reason}"
+        measured_once(round_, measured)
+    return None
 
 
 def backend_missing(backend: str) -> str:
@@ -266,14 +280,9 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
             "threads": max(1, usable_cores() // world)}
     print(f"comm: all-reduce among {world} processes ({backend}), {len(spec['sizes'])} sizes from "
           f"{size_name(min(spec['sizes']))} to {size_name(max(spec['sizes']))}", flush=True)
-    measurements, failure = [], None
-    for round_ in range(1, settings.repeats + 1):
-        try:
-            measured = run_child(spec, settings.gpu)
-        except ChildFailed as error:
-            failure = f"failed in repeat {round_}: {error.reason}"
-            print(f"comm: {error}", flush=True)
-            break
+    measurements = []
+
+    def measured_once(round_: int, measured: dict) -> None:
         measurements.append(measured)
         for found in measured["sizes"]:
             algbw = found["size_bytes"] / (found["time_us"] * 1e-6)
@@ -282,6 +291,8 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
                   f"{settings.repeats}, process {measured.get('process', '?')})", flush=True)
         if save is not None and round_ < settings.repeats:
             save(comm_rows(measurements, None, world, backend, spec["sizes"], settings.code))
+
+    failure = repeated_child("comm", spec, settings.repeats, settings.gpu, measured_once)
     return [emit(row) for row in comm_rows(measurements, failure, world, backend, spec["sizes"], settings.code)]
 
 
