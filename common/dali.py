@@ -288,9 +288,10 @@ def build_pipeline(dali, device: torch.device, max_batch: int, threads: int, lib
     fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
     device_id = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
     # The dynamic executor (DALI 2.4's default; asked for, for older ones) hands outputs over on the
-    # caller's CUDA stream, and runs every scheduled run in turn, however many wait: a queue depth of 1
-    # keeps its first schedule_run to one run (a deeper one runs that many at once, each needing its
-    # batch fed already), and ahead() decides how many batches are in flight.
+    # caller's CUDA stream, and queues every scheduled run, however many wait (exec2's Run: a queue of
+    # pending outputs, no bound): a queue depth of 1 only keeps its first schedule_run to one run (a
+    # deeper one runs that many at once, each needing its batch fed already); ahead() decides how many
+    # batches are in flight.
     pipeline = dali.Pipeline(batch_size=max_batch, num_threads=threads, device_id=device_id, prefetch_queue_depth=1,
                              exec_dynamic=True)
     decode_options = dict(device="mixed" if on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
