@@ -383,6 +383,27 @@ def test_the_decode_section_runs_by_default_on_a_gpu_and_when_asked_for_on_the_c
 
 
 @needs_dali
+def test_the_input_sections_dali_batches_are_fed_ahead_as_in_training(tmp_path, monkeypatch):
+    """measure_input with --data-backend dali: when a batch's images are
+    taken, the next batch is already fed to DALI (DaliDecoder.ahead), as in
+    training: what the row measures is DALI with its look-ahead."""
+    from common import dali
+
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    fed_when_taken = []
+    decode = dali.DaliDecoder.decode
+
+    def counting_decode(self, batch):
+        fed_when_taken.append(self.batches_fed)
+        return decode(self, batch)
+
+    monkeypatch.setattr(dali.DaliDecoder, "decode", counting_decode)
+    measured = measurements.measure_input("dali", str(root), 32, 4, 1, 2, "cpu")
+    assert measured["images_per_second"] > 0
+    assert fed_when_taken == [2, 3, 4]  # the warm-up batch and 2 measured: one more fed each time
+
+
+@needs_dali
 def test_decode_measurement_decodes_the_fixed_batch_with_each_pipeline(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1, size=40)
     spec = {"kind": "decode", "root": str(root), "device": "cpu", "batch_size": 4, "image_size": 32, "threads": 1,

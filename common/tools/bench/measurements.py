@@ -220,7 +220,8 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
     """Batches per second of training crops, finished on the device as the
     end-to-end configuration takes them (channels-last: imagenet_nd.py's
     default on the CPU, the AMP configuration's on a GPU; the reference's
-    float NCHW batches only move), after one warm-up batch."""
+    float NCHW batches only move; dali's fed ahead, DaliDecoder.ahead),
+    after one warm-up batch."""
     import torch
 
     from common import cli, data, distributed
@@ -237,6 +238,8 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
         loader, dali = loaders.train, loaders.dali
     finish = DeviceInput(torch.device(device), channels_last=backend != "reference")
     images, started = 0, None
+    if dali is not None:  # DALI decodes the next batch while this one is finished, as training feeds it
+        loader = dali.ahead(loader)
     for index, batch in enumerate(loader):
         if backend == "reference":  # (images, target) pairs
             batch = data.Sample(*batch, file_bytes=0)
