@@ -22,6 +22,7 @@ PREEMPT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
 
 # --data-backend's choices: who decodes and transforms images (common.pipelines, common.dali).
 DATA_BACKENDS = ("torchvision", "pil", "gpu", "dali")
+DATA_WORKERS = 4  # -j's default (common.flags); the benchmark's GPU rows run with it too (tools/bench/settings.py)
 
 # --data-timeout's default: seconds a step or validation waits for its batch. A cold network file system
 # takes seconds, a busy one a minute or two, for a batch of files; ten minutes is a worker or a file

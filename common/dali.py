@@ -27,6 +27,13 @@ cuts the centre crop, as the other backends do, in one resize of that region.
 The output side comes with each image (its Geometry's): one pipeline serves
 the validation crop (--val-crop-size) and every training crop of
 --progressive-resizing.
+The pipeline runs ahead of the step (DaliDecoder.ahead, which DeviceInput
+puts between the loader and the step): each batch is fed to DALI, and its
+decode scheduled in DALI's threads, AHEAD_BATCHES - 1 batches before the step
+takes it, so it decodes while the steps before it run; the training thread
+only feeds and collects. The batches stay in their order (DALI's outputs come
+in the order of their runs), and one DALI refuses is decoded as before (a
+new pipeline gets those fed after it again).
 Its threads end before the training process forks a data-loading worker
 (end_threads: a lock one of them held would stay held in the child for
 good), and the next batch builds the pipeline again.
@@ -37,9 +44,10 @@ that matches the installed PyTorch's CUDA.
 """
 from __future__ import annotations
 
+import collections
 import importlib
 import warnings
-from typing import List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -53,6 +61,10 @@ DALI_TESTED = "2.4"  # the oldest DALI this backend was run with (requirements-d
 # Batches DALI may refuse in a row (each decoded on the CPU instead) before the run stops: more than a
 # stray damaged file, DALI's decoder itself failing here.
 MAX_REFUSED_IN_A_ROW = 3
+# Batches in DALI at once while a run iterates (DaliDecoder.ahead): the one the step takes next and the one
+# after it, which decodes in DALI's threads during that step. On a GPU DeviceInput prepares one batch ahead
+# on top (a collected one), so DALI then has a whole step to decode each batch.
+AHEAD_BATCHES = 2
 
 
 def dali_package() -> str:
@@ -133,16 +145,26 @@ class DaliDecoder:
     what keeping the hardware JPEG engines out would cost. Pixels then differ
     from the CPU decoders' at colour edges; the crops' geometry does not."""
 
-    def __init__(self, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool = False):
+    def __init__(self, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool = False,
+                 ahead: int = AHEAD_BATCHES):
         self.dali = import_dali()
         self.device = device
         self.max_batch = max_batch
         self.threads = max(1, threads)
         self.on_gpu = device.type == "cuda"
         self.libjpeg_chroma = libjpeg_chroma
+        self.ahead_batches = max(1, ahead)
         self.refused_in_a_row = 0
+        self.batches_fed = 0  # runs scheduled over this decoder's life (a batch fed again after a refusal counts again)
+        self._in_flight: collections.deque = collections.deque()  # batches fed, their images not yet taken, in order
+        self._scheduled = 0  # how many of them (the first) the current pipeline holds
         self._warned = False
         self._pipeline = self._built()  # now: a DALI that cannot build it here says so before any data is read
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches fed to DALI whose images are not taken yet."""
+        return len(self._in_flight)
 
     @property
     def version(self) -> str:
@@ -153,72 +175,98 @@ class DaliDecoder:
         where = ("on the GPU: its hardware JPEG decoder where it has one, else nvJPEG" if self.on_gpu
                  else "on the CPU: libjpeg-turbo")
         return (f"DALI {self.version} decodes the JPEGs {where}, each crop's region only, in {self.threads} "
-                f"thread(s); other files are finished in the data-loading workers")
+                f"thread(s), {self.ahead_batches} batches in flight; other files are finished in the data-loading "
+                f"workers")
 
     def to_dict(self) -> dict:
         return {"version": self.version, "device": "mixed" if self.on_gpu else "cpu", "threads": self.threads,
-                "libjpeg_chroma": self.libjpeg_chroma}
+                "libjpeg_chroma": self.libjpeg_chroma, "ahead_batches": self.ahead_batches}
 
     def _built(self):
         try:
-            return self._build()
+            return build_pipeline(self.dali, self.device, self.max_batch, self.threads, self.libjpeg_chroma)
         except Exception as error:  # an older DALI's API, no usable GPU for it, ...
             raise UsageError(f"argument --data-backend: NVIDIA DALI {self.version} cannot build its decoding pipeline "
                              f"on {self.device} ({error_summary(error, limit=200)}); this backend was tested with "
                              f"DALI {DALI_TESTED} (pip install -U '{dali_package()}>={DALI_TESTED}'), or use "
                              f"--data-backend torchvision") from None
 
-    def _build(self):
-        fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
-        device_id = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if self.on_gpu else None
-        # Fed and run one batch at a time (DeviceInput prepares the next batch during the current step).
-        # The dynamic executor (DALI 2.4's default; asked for, for older ones) hands outputs over on the
-        # caller's CUDA stream.
-        pipeline = self.dali.Pipeline(batch_size=self.max_batch, num_threads=self.threads, device_id=device_id,
-                                      prefetch_queue_depth=1, exec_dynamic=True)
-        decode_options = dict(device="mixed" if self.on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
-                              normalized_anchor=False, normalized_shape=False)
-        if self.on_gpu and self.libjpeg_chroma:  # the CPU decoder's chroma upsampling: Pillow's pixels, slower
-            decode_options["jpeg_fancy_upsampling"] = True
-        if importlib.import_module("nvidia.dali.backend").GetSchema("decoders__ImageSlice").HasArgument(
-                "adjust_orientation"):
-            decode_options["adjust_orientation"] = False  # stored pixels, as Pillow and the reference read them
-        with pipeline:
-            files = fn.external_source(name="files", dtype=types.UINT8, ndim=1)
-            box = fn.external_source(name="box", dtype=types.FLOAT, ndim=1)  # x, y, width, height
-            region = fn.external_source(name="region", dtype=types.FLOAT, ndim=1)  # y0, x0, y1, x1 in the box
-            flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-            # The output side, per image (from its Geometry): the training crop of the epoch
-            # (--progressive-resizing) or the validation crop, one pipeline for every size.
-            size = fn.external_source(name="size", dtype=types.FLOAT, ndim=1)
-            images = fn.decoders.image_slice(files, box[0:2], box[2:4], **decode_options)
-            images = fn.resize(images, size=size, roi_start=region[0:2], roi_end=region[2:4], antialias=True)
-            pipeline.set_outputs(fn.flip(images, horizontal=flip))
-        pipeline.build()
-        return pipeline
-
     def end_threads(self) -> None:
         """End the pipeline's threads (executor, thread pool, input workers):
         the training process calls this before it forks each data-loading
         worker (build_loaders' multiprocessing context), and the next decode
         builds the pipeline again (milliseconds on the CPU; twice an epoch, in
-        the first step of training and of validation). A child forked while
-        one of DALI's threads held a lock (DALI's, libstdc++'s, the loader's)
-        would find it held for good, by a thread it does not have."""
+        the first step of training and of validation), feeding it again any
+        batch fed to this one. A child forked while one of DALI's threads held
+        a lock (DALI's, libstdc++'s, the loader's) would find it held for good,
+        by a thread it does not have."""
         self._pipeline = None  # its last reference: DALI's destructor stops and joins its threads
+        self._scheduled = 0
+
+    def ahead(self, samples: Iterable) -> Iterator:
+        """The samples of `samples` (data.Sample) in their order, each given
+        once the JPEGs of the next ahead_batches - 1 are fed to DALI and
+        their decode scheduled: DALI decodes them in its threads while the
+        caller uses this one (decode takes its images). Left early (a stop,
+        an error), what it fed is dropped."""
+        waiting: collections.deque = collections.deque()
+        try:
+            for sample in samples:
+                if isinstance(sample.image, EncodedBatch) and sample.image.lengths:
+                    self.submit(sample.image)
+                waiting.append(sample)
+                if len(waiting) >= self.ahead_batches:
+                    yield waiting.popleft()
+            while waiting:
+                yield waiting.popleft()
+        finally:
+            if any(sample.image is batch for sample in waiting for batch in self._in_flight):
+                self.discard()
+
+    def submit(self, batch: EncodedBatch) -> None:
+        """Feed `batch`'s JPEGs to DALI and schedule their decode, after the
+        batches already in flight; decode(batch) takes the images."""
+        self._in_flight.append(batch)
+        if self._pipeline is None:
+            self._pipeline = self._built()
+        self._schedule_in_flight()
+
+    def discard(self) -> None:
+        """Forget the batches in flight, and the pipeline that holds them."""
+        if self._in_flight:
+            self._in_flight.clear()
+            self.end_threads()
+
+    def _schedule_in_flight(self) -> None:
+        """Feed the current pipeline the batches in flight it does not hold yet (all of them, in order, after
+        a refusal or end_threads made a new one)."""
+        while self._scheduled < len(self._in_flight):
+            feed_pipeline(self._pipeline, self._in_flight[self._scheduled])
+            self._pipeline.schedule_run()
+            self._scheduled += 1
+            self.batches_fed += 1
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         """The batch's JPEGs (those it holds as files), cropped, resized and
-        flipped, as N x 3 x S x S uint8 on the device, channels-last in memory."""
+        flipped, as N x 3 x S x S uint8 on the device, channels-last in memory:
+        the images of the batch first in flight (ahead), or of `batch` fed now."""
+        if not (self._in_flight and self._in_flight[0] is batch):
+            self.discard()  # fed ahead for an iteration that was left: not what is asked for now
+            self._in_flight.append(batch)
         if self._pipeline is None:
             self._pipeline = self._built()
         try:
-            images = self._run(batch)
+            self._schedule_in_flight()
+            self._in_flight.popleft()  # this batch: DALI's outputs come in the order of its runs
+            self._scheduled -= 1
+            images = pipeline_images(self._pipeline, self.device)
         except Exception as error:  # DALI's error for a file it cannot decode; its pipeline is unusable now
-            self._pipeline = None
+            if self._in_flight and self._in_flight[0] is batch:  # failed feeding, before its images were asked for
+                self._in_flight.popleft()
+            self.end_threads()  # the batches after this one are fed again to the next pipeline
             self.refused_in_a_row += 1
             if self.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
+                self.discard()
                 raise DaliFailing(f"argument --data-backend: DALI refused {self.refused_in_a_row} batches in a row "
                                   f"(the last: {error_summary(error, limit=200)}): its decoder does not work here; "
                                   f"use --data-backend torchvision") from None
@@ -230,22 +278,66 @@ class DaliDecoder:
         self.refused_in_a_row = 0
         return images
 
-    def _run(self, batch: EncodedBatch) -> torch.Tensor:
-        data = batch.data.numpy()
-        ends = np.cumsum(batch.lengths)
-        boxes, regions = zip(*(windows(geometry, *size) for geometry, size in zip(batch.geometries, batch.sizes)))
-        self._pipeline.feed_input("files", [data[end - length:end] for end, length in zip(ends, batch.lengths)])
-        self._pipeline.feed_input("box", [np.asarray(box, dtype=np.float32) for box in boxes])
-        self._pipeline.feed_input("region", [np.asarray(region, dtype=np.float32) for region in regions])
-        self._pipeline.feed_input("flip", [np.asarray(int(geometry.flip), dtype=np.int32)
-                                           for geometry in batch.geometries])
-        self._pipeline.feed_input("size", [np.asarray([geometry.image_size] * 2, dtype=np.float32)
-                                           for geometry in batch.geometries])
-        plugin = importlib.import_module("nvidia.dali.plugin.pytorch")
-        stream = torch.cuda.current_stream(self.device) if self.on_gpu else None
-        (output,) = self._pipeline.run(stream.cuda_stream) if self.on_gpu else self._pipeline.run()
-        output = output.as_tensor()
-        images = torch.empty(output.shape(), dtype=torch.uint8, device=self.device)  # N x S x S x 3
-        plugin.feed_ndarray(output, images, cuda_stream=stream)
-        return images.permute(0, 3, 1, 2)
 
+def build_pipeline(dali, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool,
+                   hw_decoder_load: Optional[float] = None):
+    """The decoding pipeline (DaliDecoder's) for `device`: batches of up to `max_batch` files in, N x S x S x 3
+    uint8 images out (fed: feed_pipeline; taken: pipeline_images). `hw_decoder_load`: the share of each batch
+    the GPU's hardware JPEG decoder takes (DALI's default where None; the bench's decode section varies it)."""
+    on_gpu = device.type == "cuda"
+    fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
+    device_id = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
+    # The dynamic executor (DALI 2.4's default; asked for, for older ones) hands outputs over on the
+    # caller's CUDA stream, and queues every scheduled run, however many wait (exec2's Run: a queue of
+    # pending outputs, no bound): a queue depth of 1 only keeps its first schedule_run to one run (a
+    # deeper one runs that many at once, each needing its batch fed already); ahead() decides how many
+    # batches are in flight.
+    pipeline = dali.Pipeline(batch_size=max_batch, num_threads=threads, device_id=device_id, prefetch_queue_depth=1,
+                             exec_dynamic=True)
+    decode_options = dict(device="mixed" if on_gpu else "cpu", output_type=types.RGB, axis_names="WH",
+                          normalized_anchor=False, normalized_shape=False)
+    if on_gpu and libjpeg_chroma:  # the CPU decoder's chroma upsampling: Pillow's pixels, slower
+        decode_options["jpeg_fancy_upsampling"] = True
+    if on_gpu and hw_decoder_load is not None:
+        decode_options["hw_decoder_load"] = hw_decoder_load
+    if importlib.import_module("nvidia.dali.backend").GetSchema("decoders__ImageSlice").HasArgument(
+            "adjust_orientation"):
+        decode_options["adjust_orientation"] = False  # stored pixels, as Pillow and the reference read them
+    with pipeline:
+        files = fn.external_source(name="files", dtype=types.UINT8, ndim=1)
+        box = fn.external_source(name="box", dtype=types.FLOAT, ndim=1)  # x, y, width, height
+        region = fn.external_source(name="region", dtype=types.FLOAT, ndim=1)  # y0, x0, y1, x1 in the box
+        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+        # The output side, per image (from its Geometry): the training crop of the epoch
+        # (--progressive-resizing) or the validation crop, one pipeline for every size.
+        size = fn.external_source(name="size", dtype=types.FLOAT, ndim=1)
+        images = fn.decoders.image_slice(files, box[0:2], box[2:4], **decode_options)
+        images = fn.resize(images, size=size, roi_start=region[0:2], roi_end=region[2:4], antialias=True)
+        pipeline.set_outputs(fn.flip(images, horizontal=flip))
+    pipeline.build()
+    return pipeline
+
+
+def feed_pipeline(pipeline, batch: EncodedBatch) -> None:
+    """Feed `batch`'s JPEG files, crop windows, flips and output sizes to `pipeline`'s external sources."""
+    data = batch.data.numpy()
+    ends = np.cumsum(batch.lengths)
+    boxes, regions = zip(*(windows(geometry, *size) for geometry, size in zip(batch.geometries, batch.sizes)))
+    pipeline.feed_input("files", [data[end - length:end] for end, length in zip(ends, batch.lengths)])
+    pipeline.feed_input("box", [np.asarray(box, dtype=np.float32) for box in boxes])
+    pipeline.feed_input("region", [np.asarray(region, dtype=np.float32) for region in regions])
+    pipeline.feed_input("flip", [np.asarray(int(geometry.flip), dtype=np.int32) for geometry in batch.geometries])
+    pipeline.feed_input("size", [np.asarray([geometry.image_size] * 2, dtype=np.float32)
+                                 for geometry in batch.geometries])
+
+
+def pipeline_images(pipeline, device: torch.device) -> torch.Tensor:
+    """The images of `pipeline`'s oldest run not yet taken (waiting for them if need be), as N x 3 x S x S uint8
+    on `device` (channels-last in memory), on its current CUDA stream on a GPU."""
+    plugin = importlib.import_module("nvidia.dali.plugin.pytorch")
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    (output,) = pipeline.outputs(stream.cuda_stream) if stream is not None else pipeline.outputs()
+    output = output.as_tensor()
+    images = torch.empty(output.shape(), dtype=torch.uint8, device=device)  # N x S x S x 3
+    plugin.feed_ndarray(output, images, cuda_stream=stream)
+    return images.permute(0, 3, 1, 2)

@@ -4,7 +4,8 @@ DeviceInput moves each batch to the device and finishes it there: the gpu
 and dali backends' EncodedBatch (collated in the data-loading worker: the
 JPEG files end to end) is decoded there, by the run's JpegDecoder (nvJPEG on
 a GPU; a batch it refuses goes one file at a time, Pillow last:
-GPUDecodeFallback) or by DALI (common.dali); uint8 becomes normalised float32
+GPUDecodeFallback) or by DALI (common.dali: its pipeline fed batches ahead of the one the step
+takes); uint8 becomes normalised float32
 in the model's memory format. On a GPU it prepares the next batch on a side
 stream while the current step runs.
 """
@@ -148,6 +149,8 @@ class DeviceInput:
     def __call__(self, batches: Iterable, dali=None) -> Iterator:
         """The batches of `batches` (Samples), finished on the device (by
         `dali` for --data-backend dali: see images)."""
+        if dali is not None:  # DALI decodes the next batches in its threads while this one is used
+            batches = dali.ahead(batches)
         if self.device.type != "cuda":
             for batch in batches:
                 yield self.batch(batch, dali)

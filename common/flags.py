@@ -20,7 +20,7 @@ from common.config import (AUTO_AUGMENT_POLICIES, CONSTANT_WARMUP_DECAY, DATA_BA
                            PREEMPT_SIGNALS, WARMUP_METHODS)
 from common.arguments import (Parser, byte_size, float_in, int_at_least, non_negative_float, non_negative_int, percent,
                               positive_float, positive_int, seed_int, unit_interval)
-from common.config import CUDA_GRAPHS, TRACKERS, TRACKERS_REQUIREMENTS
+from common.config import CUDA_GRAPHS, DATA_WORKERS, TRACKERS, TRACKERS_REQUIREMENTS
 from common.errors import STOPPED_EXIT_STATUS, program
 from common import recipes
 
@@ -141,7 +141,7 @@ def _add_model_flags(group, mode: str) -> None:
 
 
 def _add_data_flags(group) -> None:
-    group.add_argument("-j", "--workers", type=non_negative_int, default=4, metavar="N",
+    group.add_argument("-j", "--workers", type=non_negative_int, default=DATA_WORKERS, metavar="N",
                        help="data-loading worker processes per training process; more on a node than its cores is "
                             "a warning (they take turns), more than its memory holds (each with its own pages and "
                             "two prefetched batches) an error")

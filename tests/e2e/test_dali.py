@@ -109,8 +109,22 @@ def dali_threads() -> list:
     return sorted(name for name in names if name.startswith("[DALI]"))
 
 
+@pytest.fixture
+def threads_at_fork(monkeypatch) -> list:
+    """DALI's threads (dali_threads) at each os.fork of this test, in turn."""
+    seen_at_fork = []
+    real_fork = os.fork
+
+    def recording_fork():
+        seen_at_fork.append(dali_threads())
+        return real_fork()
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+    return seen_at_fork
+
+
 @needs_dali
-def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monkeypatch):
+def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, threads_at_fork):
     """A forked child has only the forking thread: a lock one of DALI's
     threads held at that instant would stay held in the data-loading worker
     for good (a run hung that way once in CI, its batch never coming). So the
@@ -118,14 +132,6 @@ def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monk
     its pipeline again at the next decode, which decodes as before."""
     root = numbered_tree(tmp_path / "numbered")
     loaders = loaders_for(root, "dali", rank=0, world_size=1)
-    threads_at_fork = []
-    real_fork = os.fork
-
-    def recording_fork():
-        threads_at_fork.append(dali_threads())
-        return real_fork()
-
-    monkeypatch.setattr(os, "fork", recording_fork)
     loaders.set_epoch(0)
     first_epoch = seen(loaders, loaders.train)
     assert dali_threads(), "DALI's pipeline decoded with no thread of its own: nothing checked here"
@@ -134,6 +140,113 @@ def test_no_data_loading_worker_is_forked_while_dalis_threads_run(tmp_path, monk
     assert seen(loaders, loaders.train) == first_epoch  # a new pipeline, the same images in the same order
     assert threads_at_fork == [[], [], []]  # -j 1: one worker per pass, three passes, none beside DALI's threads
     assert [number for number, _ in val] == list(range(9)) and len(first_epoch) == 30
+
+
+@needs_dali
+def test_dali_runs_ahead_of_the_step_with_the_images_and_order_of_one_batch_at_a_time(tmp_path):
+    """DeviceInput puts DaliDecoder.ahead between the loader and the step:
+    when the step gets batch n, the JPEGs of batch n + 1 (n + D - 1 at depth
+    D) are already fed to DALI and their decode scheduled in its threads; the
+    images are exactly those of decoding one batch at a time, in their order,
+    for a whole epoch, a resumed half epoch and validation."""
+    root = numbered_tree(tmp_path / "numbered")
+    loaders = loaders_for(root, "dali", rank=0, world_size=1)
+    decoder = loaders.dali
+    assert decoder.ahead_batches == dali.AHEAD_BATCHES == 2 and decoder.to_dict()["ahead_batches"] == 2
+
+    def one_at_a_time(split: str) -> list:
+        return [device_input.normalize(batch.image.decode(torch.device("cpu"), decoder))
+                for batch in loaders.batches(split)]
+
+    def run_ahead(split: str, depth: int) -> tuple:
+        decoder.ahead_batches = depth
+        fed_before, fed_when_taken = decoder.batches_fed, []
+        decode = decoder.decode
+
+        def counting_decode(batch):  # the batches DALI was given when this one's images are taken
+            fed_when_taken.append(decoder.batches_fed - fed_before)
+            return decode(batch)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decoder, "decode", counting_decode)
+            images = [batch.image for batch in device_input.DeviceInput(torch.device("cpu"))(
+                loaders.batches(split), decoder)]
+        return images, fed_when_taken
+
+    for images_done in (0, 6):  # a whole epoch (10 batches of 3), and one resumed after two batches
+        loaders.set_epoch(1, images_done=images_done)
+        reference = one_at_a_time("train")
+        assert len(reference) == 10 - images_done // 3
+        for depth in (2, 3):
+            loaders.set_epoch(1, images_done=images_done)
+            images, fed = run_ahead("train", depth)
+            assert len(images) == len(reference) and all(torch.equal(a, b) for a, b in zip(images, reference))
+            assert fed == [min(index + depth, len(reference)) for index in range(len(reference))]
+    reference = one_at_a_time("val")
+    images, fed = run_ahead("val", 2)
+    assert all(torch.equal(a, b) for a, b in zip(images, reference)) and len(images) == 3 and fed == [2, 3, 3]
+
+
+@needs_dali
+def test_a_batch_dali_refuses_while_others_are_in_flight_leaves_them_in_their_order(tmp_path, monkeypatch):
+    """The batches fed after one DALI refuses went to a pipeline that is
+    unusable now: a new one is fed them again, and they come out as decoded
+    one at a time, after the refused batch's CPU decode and one warning."""
+    good = [tmp_path / f"good{index}.JPEG" for index in range(6)]
+    for index, path in enumerate(good):
+        path.write_bytes(_jpeg_bytes(seed=index))
+    bad = tmp_path / "bad.JPEG"
+    bad.write_bytes(_damaged_inside(_jpeg_bytes()))
+    pipeline = DaliImages(True, 16)
+    files = [[good[0], good[1]], [good[2], bad], [good[3], good[4]], [good[5], good[0]]]
+    batches = [data.Sample(encoded_batch([str(path) for path in paths], pipeline, seed=10 * index), None, None)
+               for index, paths in enumerate(files)]
+    stand_in = torch.zeros(3, 16, 16, dtype=torch.uint8)  # what the CPU's decode gives the refused batch here
+    monkeypatch.setattr(batches[1].image, "decode_jpegs", lambda device: [stand_in, stand_in])
+    one_at_a_time = dali.DaliDecoder(torch.device("cpu"), max_batch=2, threads=1)
+    expected = [batch.image.decode(torch.device("cpu"), one_at_a_time) for batch in (batches[0], *batches[2:])]
+    decoder = dali.DaliDecoder(torch.device("cpu"), max_batch=2, threads=1, ahead=3)
+    got = []
+    with pytest.warns(device_input.GPUDecodeFallback, match="DALI refused a batch") as warned:
+        for sample in decoder.ahead(iter(batches)):
+            got.append(sample.image.decode(torch.device("cpu"), decoder))
+    assert len(warned) == 1 and decoder.refused_in_a_row == 0
+    assert torch.equal(got[1], torch.stack([stand_in, stand_in]))
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip([got[0], *got[2:]], expected))
+    assert decoder.batches_fed == 4 + 2  # the two fed after the refused one, fed again
+
+
+@needs_dali
+def test_no_dali_thread_outlives_a_pass_left_early_nor_runs_at_a_fork(tmp_path, threads_at_fork):
+    """A training pass left with batches in flight (a stop, an error) drops
+    them and the pipeline's threads once its iterator is closed; one that is
+    not closed still has them ended before the next pass forks its worker.
+    Either way the next pass gets every image, in order."""
+    root = numbered_tree(tmp_path / "numbered")
+    loaders = loaders_for(root, "dali", rank=0, world_size=1)
+    decoder = loaders.dali
+    loaders.set_epoch(0)
+    left = decoder.ahead(loaders.batches("train"))
+    first = next(left)
+    first.image.decode(torch.device("cpu"), decoder)
+    assert dali_threads() and decoder.batches_fed == 2, "nothing in flight: nothing checked here"
+    assert decoder.batches_in_flight == 1
+    left.close()
+    assert dali_threads() == [] and decoder.batches_fed == 2 and decoder.batches_in_flight == 0
+    held = decoder.ahead(loaders.batches("train"))  # left open, a batch in flight, while validation forks
+    next(held).image.decode(torch.device("cpu"), decoder)
+    assert dali_threads()
+    val = [number for images, _ in _decoded(decoder, loaders.batches("val")) for number in image_numbers(images)]
+    assert val == list(range(9))
+    loaders.set_epoch(0)
+    train = [number for images, _ in _decoded(decoder, loaders.batches("train")) for number in image_numbers(images)]
+    assert train == list(loaders.train.sampler) and len(train) == 30
+    assert threads_at_fork == [[], [], [], []]  # -j 1: one worker for each of the four passes
+
+
+def _decoded(decoder, batches):
+    for batch in decoder.ahead(batches):
+        yield batch.image.decode(torch.device("cpu"), decoder), batch
 
 
 def test_validation_windows_are_torchvisions_resize_and_centre_crop():
@@ -347,3 +460,27 @@ def test_a_gpu_run_with_dali_trains_and_counts_every_image(tmp_path):
     assert "decodes the JPEGs on the GPU" in result.stdout and "DALI refused" not in result.stderr
     assert [(row["split"], row["images"]) for row in metrics_rows(tmp_path / "runs" / "r")] == [("train", "48"),
                                                                                                  ("val", "15")]
+
+
+@needs_dali
+@pytest.mark.gpu
+def test_on_the_gpu_dali_ahead_of_the_step_gives_the_batches_of_one_at_a_time(tmp_path):
+    """The mixed decoder with batches in flight (DeviceInput's side stream
+    taking each, AHEAD_BATCHES fed ahead): every batch equals the one decoded
+    alone on the GPU, in order, with nothing left in flight at the end."""
+    root = numbered_tree(tmp_path / "numbered")
+    cfg = cli.parse("nd", [str(root), "-b", "3", "-j", "1", "--image-size", "24", "--val-resize", "28",
+                           "--data-backend", "dali"])
+    loaders = data.build_loaders(cfg, single_process("cuda"))
+    decoder, cuda = loaders.dali, torch.device("cuda")
+    assert decoder.on_gpu and decoder.ahead_batches == 2
+    loaders.set_epoch(1)
+    reference = [device_input.normalize(batch.image.decode(cuda, decoder)) for batch in loaders.batches("train")]
+    loaders.set_epoch(1)
+    fed_before = decoder.batches_fed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", device_input.GPUDecodeFallback)
+        got = [batch.image for batch in device_input.DeviceInput(cuda)(loaders.batches("train"), decoder)]
+    torch.cuda.synchronize()
+    assert len(got) == len(reference) == 10 and all(torch.equal(a, b) for a, b in zip(got, reference))
+    assert decoder.batches_fed - fed_before == 10 and decoder.batches_in_flight == 0

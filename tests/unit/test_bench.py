@@ -13,13 +13,15 @@ import sys
 
 import pytest
 
+from common import config, flags
 from common.errors import UsageError
 from common.tools import results
-from common.tools.bench import command_line, flops, processes, repeats, report, sections, targets
+from common.tools.bench import command_line, flops, measurements, processes, repeats, report, sections
+from common.tools.bench import targets
 from common.tools.bench.gpu_monitor import GpuMonitor, GpuSample, gpu_state, gpus_to_sample, parse_gpu_sample
 from common.tools.bench.settings import Settings
 from common.tools.scaling import bus_bandwidth
-from helpers import cpu_has_native_bf16, make_image_folder, run_command
+from helpers import cpu_has_native_bf16, make_image_folder, needs_dali, run_command
 
 NUMBERS = ("images_per_second", "ms_per_step", "peak_memory_mib")
 H100 = "NVIDIA H100 80GB HBM3"
@@ -292,6 +294,125 @@ def test_synthetic_runs_assemble_batches_in_workers_on_a_gpu_only(tmp_path, monk
             processes.run_script("imagenet_nd.py", [], settings(device=device), tmp_path, data=data, workers=workers)
     assert [command[command.index("-j") + 1] for command in commands] == [synthetic_workers, "12"]
     assert "--synthetic" in commands[0] and "DATA" in commands[1]
+
+
+@pytest.mark.parametrize("scripts_default", [None, 6])
+def test_on_a_gpu_the_synthetic_and_every_real_data_row_use_the_scripts_default_workers(tmp_path, monkeypatch,
+                                                                                       scripts_default):
+    """Issue 41: on a GPU the end-to-end section's synthetic baseline and
+    its real-data rows run with the -j the scripts default to
+    (config.DATA_WORKERS, their parser's default; 6: a default changed there
+    is followed), not -j 0 nor the largest of --workers; on the CPU the
+    synthetic rows keep -j 0 and the real ones the largest --workers."""
+    assert flags.build_parser("nd").get_default("workers") == config.DATA_WORKERS == 4
+    if scripts_default is not None:
+        monkeypatch.setattr(config, "DATA_WORKERS", scripts_default)
+    expected = scripts_default or 4
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    commands = []
+
+    def stop(command, gpu=None):
+        commands.append(command)
+        raise processes.ChildFailed(command, 1, "stopped by the test")
+
+    monkeypatch.setattr(processes, "_run", stop)
+    for device, synthetic, real in (("cuda", expected, expected), ("cpu", 0, 12)):
+        commands.clear()
+        plan = settings(device=device, workers=[4, 8, 12], backends=("torchvision", "gpu"))
+        assert (plan.synthetic_workers, plan.data_workers) == (synthetic, real)
+        rows = sections.end_to_end_section(plan, tmp_path, str(root))
+        assert [(row["data_backend"], row["workers"]) for row in rows] == [
+            ("synthetic", synthetic), ("torchvision", real), ("gpu", real)]
+        assert [command[command.index("-j") + 1] for command in commands] == [str(synthetic), str(real), str(real)]
+
+
+def test_the_decode_section_times_each_hw_decoder_load_on_a_gpu_and_a_labelled_baseline_on_the_cpu(monkeypatch):
+    """One process per repeat measures every configuration (whole files and
+    the training's crops; on a GPU at hw_decoder_load 0, 0.65 and 0.9); a
+    row each with the median over the repeats. On the CPU: DALI's CPU
+    decoder, a row per pipeline saying it is a baseline. Without DALI: rows
+    saying so, no process started."""
+    specs = []
+
+    def child(spec, gpu=None):
+        specs.append(spec)
+        return {"images": spec["batch_size"], "configs": [
+            {"images_per_second": 100.0 * (index + 1) * len(specs), "ms_per_step": 10.0 * len(specs),
+             "peak_memory_mib": 5.0} for index in range(len(spec["configs"]))]}
+
+    monkeypatch.setattr(sections, "run_child", child)
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: "")
+    rows = sections.decode_section(settings(device="cuda", input_repeats=2, batch_size=8), "ROOT")
+    loads = [("whole", 0.0), ("whole", 0.65), ("whole", 0.9), ("crops", 0.0), ("crops", 0.65), ("crops", 0.9)]
+    assert len(specs) == 2 and all(spec["configs"] == loads and spec["threads"] == 4 for spec in specs)
+    assert [(row["config"], row["images_per_second"], row["spread_percent"], row["repeats"], row["ms_per_step"])
+            for row in rows] == [
+        (f"{what}, hw_decoder_load {load}", 150.0 * index, 66.67, 2, 15.0) for index, (what, load) in enumerate(
+            [(what, load) for what in ("whole files", "training crops") for load in ("0", "0.65", "0.9")], start=1)]
+    assert rows[1]["command"] == ("common.tools.bench.measurements.measure_decode: fn.decoders.image, device mixed, "
+                                  "hw_decoder_load=0.65")
+    assert all(row["section"] == "decode" and row["data_backend"] == "dali" and row["note"] == "" for row in rows)
+    specs.clear()
+    rows = sections.decode_section(settings(device="cpu", input_repeats=1, workers=[1, 2]), "ROOT")
+    assert specs[0]["configs"] == [("whole", None), ("crops", None)] and specs[0]["threads"] == 2
+    assert [(row["config"], row["images_per_second"], row["note"]) for row in rows] == [
+        ("whole files, cpu decoder", 100.0, sections.DECODE_CPU_NOTE),
+        ("training crops, cpu decoder", 200.0, sections.DECODE_CPU_NOTE)]
+    specs.clear()
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: sections.DALI_MISSING)
+    rows = sections.decode_section(settings(device="cuda"), "ROOT")
+    assert specs == [] and len(rows) == 6
+    assert all(row["images_per_second"] == "" and row["note"] == sections.DALI_MISSING for row in rows)
+    monkeypatch.setattr(sections, "backend_missing", lambda backend: "")
+
+    def failing(spec, gpu=None):
+        raise processes.ChildFailed(["python"], 1, "RuntimeError: nvJPEG cannot start")
+
+    monkeypatch.setattr(sections, "run_child", failing)
+    rows = sections.decode_section(settings(device="cpu"), "ROOT")
+    assert [(row["images_per_second"], row["note"]) for row in rows] == [
+        ("", f"{sections.DECODE_CPU_NOTE}; failed in repeat 1: exit 1: RuntimeError: nvJPEG cannot start")] * 2
+
+
+def test_the_decode_section_runs_by_default_on_a_gpu_and_when_asked_for_on_the_cpu():
+    everything = list(command_line.SECTIONS)
+    assert everything[-1] == "decode"
+    assert command_line.sections_to_run(None, "cuda") == everything
+    assert command_line.sections_to_run(None, "cpu") == everything[:-1]  # make bench's time on the CPU unchanged
+    assert command_line.sections_to_run(["decode"], "cpu") == ["decode"]
+
+
+@needs_dali
+def test_the_input_sections_dali_batches_are_fed_ahead_as_in_training(tmp_path, monkeypatch):
+    """measure_input with --data-backend dali: when a batch's images are
+    taken, the next batch is already fed to DALI (DaliDecoder.ahead), as in
+    training: what the row measures is DALI with its look-ahead."""
+    from common import dali
+
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=40)
+    fed_when_taken = []
+    decode = dali.DaliDecoder.decode
+
+    def counting_decode(self, batch):
+        fed_when_taken.append(self.batches_fed)
+        return decode(self, batch)
+
+    monkeypatch.setattr(dali.DaliDecoder, "decode", counting_decode)
+    measured = measurements.measure_input("dali", str(root), 32, 4, 1, 2, "cpu")
+    assert measured["images_per_second"] > 0
+    assert fed_when_taken == [2, 3, 4]  # the warm-up batch and 2 measured: one more fed each time
+
+
+@needs_dali
+def test_decode_measurement_decodes_the_fixed_batch_with_each_pipeline(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=3, val_per_class=1, size=40)
+    spec = {"kind": "decode", "root": str(root), "device": "cpu", "batch_size": 4, "image_size": 32, "threads": 1,
+            "warmup": 1, "batches": 2, "configs": [["whole", None], ["crops", None]]}
+    measured = measurements.child(spec)
+    assert measured["images"] == 4 and len(measured["configs"]) == 2
+    for figures in measured["configs"]:  # 4 images a batch: images/s x s/batch
+        assert figures["images_per_second"] > 0
+        assert figures["images_per_second"] * figures["ms_per_step"] / 1000.0 == pytest.approx(4.0)
 
 
 def test_generated_jpegs_outlast_every_measurement_so_no_file_is_read_twice():
@@ -860,3 +981,17 @@ def test_throttled_storage_says_why_it_cannot_be_set_up(monkeypatch):
     monkeypatch.setattr(throttled_storage.os, "geteuid", lambda: 0)
     monkeypatch.setattr(throttled_storage.shutil, "which", lambda tool: None if tool in ("losetup", "mount") else tool)
     assert throttled_storage.unavailable() == "throttled storage needs losetup, mount (util-linux, e2fsprogs)"
+
+
+@needs_dali
+@pytest.mark.gpu
+def test_on_a_gpu_the_decode_measurement_times_each_hw_decoder_load(tmp_path):
+    """The mixed decoder at each hw_decoder_load (the hardware JPEG decoder's
+    share) for whole files and the training's crops: figures for all six."""
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=1, size=96)
+    configs = [[name, load] for name in sections.DECODE_PIPELINES for load in sections.DECODE_LOADS]
+    measured = measurements.child({"kind": "decode", "root": str(root), "device": "cuda", "batch_size": 16,
+                                   "image_size": 64, "threads": 2, "warmup": 1, "batches": 3, "configs": configs})
+    assert measured["images"] == 16 and len(measured["configs"]) == 6
+    for figures in measured["configs"]:
+        assert figures["images_per_second"] * figures["ms_per_step"] / 1000.0 == pytest.approx(16.0)

@@ -28,14 +28,15 @@ from common.tools.bench.machine import versions
 from common.tools.bench.measurements import child
 from common.tools.bench.report import write_csv
 from common.tools.bench.sections import (COMPILE_CONFIGS, END_TO_END_BACKENDS, TRAIN_CONFIGS, comm_section,
-                                         data_scale_section, end_to_end_section, input_section, scaling_section,
-                                         train_section)
+                                         data_scale_section, decode_section, end_to_end_section, input_section,
+                                         scaling_section, train_section)
 from common.tools.bench.settings import Settings
 from common.tools.bench.storage_section import storage_section
 from common.tools.bench.targets import comm_lines, data_scale_lines, ratios, storage_lines
 
 FAKE_CLASSES = 8
-SECTIONS = ("train", "input", "end-to-end", "data-scale", "comm", "scaling", "storage")
+SECTIONS = ("train", "input", "end-to-end", "data-scale", "comm", "scaling", "storage", "decode")
+CPU_LEAVES_OUT = ("decode",)  # by default: on the CPU only a baseline (DALI's CPU decoder), asked for by name
 
 
 def parse_size(text: str) -> int:
@@ -85,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_section_flags(parser: argparse.ArgumentParser) -> None:
     """--device, which sections run, and the comm and data-scale sections' own flags."""
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="data-scale: an ImageNet-sized file list's start-up time and memory (common/tools/"
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
+                        help="default: all on a GPU, all but decode on the CPU. decode: DALI's decoders alone, "
+                             "images/s of whole files and of the training's crops at hw_decoder_load 0, 0.65 and "
+                             "0.9 (on the CPU DALI's CPU decoder, a baseline labelled so); data-scale: an ImageNet-sized file list's start-up time and memory (common/tools/"
                              "bench/data_scale.py), on a tree of hard links built once into --data-cache; comm: "
                              "all-reduce bandwidth against message size among --comm-world-size processes; scaling: "
                              "a DDP step at 1 and --comm-world-size processes split into compute, exposed "
@@ -121,7 +124,8 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
                              "keeps `make bench` near 7 minutes on 2 cores)")
     parser.add_argument("--workers", type=non_negative_int, nargs="+", default=None,
                         help="data-loading worker counts of the input section (default: 1 2 on the CPU, "
-                             "4 8 12 on a GPU machine); the end-to-end section uses the largest")
+                             "4 8 12 on a GPU machine); on the CPU the end-to-end and storage sections use the "
+                             "largest; on a GPU they and the synthetic rows use the scripts' default -j")
     parser.add_argument("--input-batches", type=positive_int, default=None, help="default: 10 CPU, 40 GPU")
     parser.add_argument("--input-rounds", type=positive_int, default=None, help=argparse.SUPPRESS)  # replaced
     parser.add_argument("--backends", nargs="+", choices=END_TO_END_BACKENDS, default=None,
@@ -170,6 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UsageError("argument --input-rounds: replaced by --repeats N (every section: the median of N fresh "
                          "processes, where --input-rounds took the input section's best)")
     settings = settings_from(args)
+    args.sections = sections_to_run(args.sections, settings.device)
     if args.data is not None and not Path(args.data, "train").is_dir():
         raise UsageError(f"argument --data: {args.data} has no train/ folder")
     stamp = time.strftime("%Y%m%d_%H%M%S")
@@ -189,6 +194,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if failed:
         print(f"{len(failed)} configuration(s) failed, their rows say how: {', '.join(failed)}", flush=True)
         sys.exit(FAILED_EXIT_STATUS)
+
+
+def sections_to_run(asked: Optional[Sequence[str]], device: str) -> List[str]:
+    """--sections, else every section on a GPU and all but CPU_LEAVES_OUT on the CPU, in SECTIONS' order."""
+    return list(asked) if asked else [section for section in SECTIONS if device == "cuda" or section not in
+                                      CPU_LEAVES_OUT]
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -212,7 +223,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         backends=args.backends or (END_TO_END_BACKENDS if gpu else ("torchvision",)),
         measure_emulated=args.measure_emulated, peak_tflops=args.peak_tflops,
         gpu=_gpu_monitor(device, args.gpu_index), code=provenance.code_version())
-    if {"comm", "scaling"} & set(args.sections):
+    if {"comm", "scaling"} & set(args.sections or SECTIONS):
         settings = dataclasses.replace(settings, comm_world_size=_comm_world_size(args, gpu), comm_sizes=tuple(sorted(
             set(args.comm_sizes or (comm_sizes_default(gpu))))))
     _check_machine_fits(settings)
@@ -286,7 +297,7 @@ def run_sections(args: argparse.Namespace, settings: Settings, csv_path: Path) -
     rows: List[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-runs-") as logdir:
         root = None
-        if {"input", "end-to-end", "storage"} & set(args.sections):
+        if {"input", "end-to-end", "storage", "decode"} & set(args.sections):
             root = args.data or fake_imagenet(Path(args.data_cache), FAKE_CLASSES, fake_imagenet_per_class(settings))
 
         def save(section_rows: List[dict]) -> None:
@@ -298,7 +309,8 @@ def run_sections(args: argparse.Namespace, settings: Settings, csv_path: Path) -
                     "data-scale": lambda: data_scale_section(Path(args.data_cache), *args.data_scale, settings.code),
                     "comm": lambda: comm_section(settings, save),
                     "scaling": lambda: scaling_section(settings, save),
-                    "storage": lambda: storage_section(settings, Path(args.data_cache, "storage"), root, save)}
+                    "storage": lambda: storage_section(settings, Path(args.data_cache, "storage"), root, save),
+                    "decode": lambda: decode_section(settings, root, save)}
         for section in SECTIONS:
             if section in args.sections:
                 rows += sections[section]()

@@ -1,12 +1,15 @@
 """What a measured process does (python -m common.tools.bench --child SPEC,
 started by processes.run_child): the plain references, written out in full
 as users know them (the training loop and the input pipeline); the project's
-input pipeline timed alone; and the comm and scaling sections' processes
+input pipeline timed alone; DALI's decoders alone (the decode section); and
+the comm and scaling sections' processes
 (comm_bench). Also the file order every input measurement reads in, whose
 files the sections read once beforehand (warm_page_cache).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import resource
 import time
@@ -217,7 +220,8 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
     """Batches per second of training crops, finished on the device as the
     end-to-end configuration takes them (channels-last: imagenet_nd.py's
     default on the CPU, the AMP configuration's on a GPU; the reference's
-    float NCHW batches only move), after one warm-up batch."""
+    float NCHW batches only move; dali's fed ahead, DaliDecoder.ahead),
+    after one warm-up batch."""
     import torch
 
     from common import cli, data, distributed
@@ -234,6 +238,8 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
         loader, dali = loaders.train, loaders.dali
     finish = DeviceInput(torch.device(device), channels_last=backend != "reference")
     images, started = 0, None
+    if dali is not None:  # DALI decodes the next batch while this one is finished, as training feeds it
+        loader = dali.ahead(loader)
     for index, batch in enumerate(loader):
         if backend == "reference":  # (images, target) pairs
             batch = data.Sample(*batch, file_bytes=0)
@@ -249,6 +255,75 @@ def measure_input(backend: str, root: str, image_size: int, batch_size: int, wor
     seconds = time.perf_counter() - started
     return {"images_per_second": images / seconds, "images_per_second_per_worker": images / seconds / max(workers, 1),
             "ms_per_step": 1000.0 * seconds / max(index, 1), "peak_memory_mib": _peak_memory_mib(device)}
+
+
+# --- the decode section: DALI's decoders alone ---
+
+def measure_decode(spec: dict) -> dict:
+    """DALI's decode alone, no training: spec["batch_size"] JPEGs of
+    spec["root"]/train (a fixed set, read once) decoded spec["batches"] times
+    after spec["warmup"], by each (pipeline, hw_decoder_load) of
+    spec["configs"] in turn: "whole" files (fn.decoders.image), or the
+    training "crops" (common.dali's own pipeline: each file's crop box as the
+    workers draw it, decoded, resized and flipped). Device "mixed" on a GPU,
+    "cpu" on the CPU; fed common.dali.AHEAD_BATCHES ahead as training feeds
+    it, the device synchronised at both ends. {"configs": [figures, ...]}."""
+    import torch
+
+    from common import dali
+    from common.device_input import EncodedBatch
+    from common.pipelines import DaliImages
+
+    device, nvidia_dali = torch.device(spec["device"]), dali.import_dali()
+    paths = sorted(str(path) for path in Path(spec["root"], "train").rglob("*")
+                   if path.suffix.lower() in (".jpeg", ".jpg"))[:spec["batch_size"]]
+    torch.manual_seed(0)  # the crop boxes and flips, drawn as a worker draws them
+    crops = DaliImages(True, spec["image_size"])
+    batch = EncodedBatch([crops(path)[0] for path in paths])
+    files = [array.numpy() for array in torch.split(batch.data, batch.lengths)]
+    measured = []
+    for pipeline_name, load in spec["configs"]:
+        if pipeline_name == "whole":
+            pipeline = _whole_file_decoder(nvidia_dali, device, len(files), spec["threads"], load)
+            feed = functools.partial(pipeline.feed_input, "files", files)
+        else:
+            pipeline = dali.build_pipeline(nvidia_dali, device, len(files), spec["threads"], False, load)
+            feed = functools.partial(dali.feed_pipeline, pipeline, batch)
+        _decoded(pipeline, feed, spec["warmup"], dali.AHEAD_BATCHES, spec["device"])
+        started = time.perf_counter()
+        _decoded(pipeline, feed, spec["batches"], dali.AHEAD_BATCHES, spec["device"])
+        seconds = time.perf_counter() - started
+        measured.append({"images_per_second": len(files) * spec["batches"] / seconds,
+                         "ms_per_step": 1000.0 * seconds / spec["batches"], "peak_memory_mib": _peak_memory_mib(
+                             spec["device"])})
+        del pipeline, feed  # its threads and buffers, before the next one's
+    return {"configs": measured, "images": len(files)}
+
+
+def _whole_file_decoder(nvidia_dali, device, batch_size: int, threads: int, hw_decoder_load):
+    fn, types = importlib.import_module("nvidia.dali.fn"), importlib.import_module("nvidia.dali.types")
+    on_gpu = device.type == "cuda"
+    pipeline = nvidia_dali.Pipeline(batch_size=batch_size, num_threads=threads, prefetch_queue_depth=1,
+                                    device_id=(device.index or 0) if on_gpu else None, exec_dynamic=True)
+    options = {"hw_decoder_load": hw_decoder_load} if on_gpu and hw_decoder_load is not None else {}
+    with pipeline:
+        files = fn.external_source(name="files", dtype=types.UINT8, ndim=1)
+        pipeline.set_outputs(fn.decoders.image(files, device="mixed" if on_gpu else "cpu", output_type=types.RGB,
+                                               **options))
+    pipeline.build()
+    return pipeline
+
+
+def _decoded(pipeline, feed, batches: int, ahead: int, device: str) -> None:
+    """`batches` runs of `pipeline`, each fed by `feed()`, `ahead` in flight, the outputs taken in turn."""
+    scheduled = 0
+    for taken in range(batches):
+        while scheduled < min(batches, taken + ahead):
+            feed()
+            pipeline.schedule_run()
+            scheduled += 1
+        pipeline.outputs()
+    _synchronize(device)
 
 
 def child(spec: dict) -> dict:
@@ -269,6 +344,8 @@ def child(spec: dict) -> dict:
         return comm_bench.spawned("scaling", spec, cli.parse("ddp", flags))
     if spec["kind"] == "storage-read":
         return measure_storage_read(spec)
+    if spec["kind"] == "decode":
+        return measure_decode(spec)
     if spec["kind"] == "reference-train":
         return reference_train_loop(spec["arch"], spec["batch_size"], spec["image_size"], spec["device"],
                                     spec["warmup_steps"], spec["steps"])

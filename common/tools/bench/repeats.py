@@ -94,7 +94,7 @@ def finish(fields: dict, measurements: Sequence[dict], failure: Optional[str], s
     if failure:
         row["note"] = "; ".join(filter(None, (row["note"], failure)))
     with_machine(row, settings.code)
-    if row["section"] not in ("input", "storage") and isinstance(row["images_per_second"], (int, float)):
+    if row["section"] not in ("input", "storage", "decode") and isinstance(row["images_per_second"], (int, float)):
         gflop = flops.training_gflop_per_image(row["arch"], int(row["image_size"]))
         peak = settings.peak_tflops or (flops.gpu_peak_tflops(str(row["device_name"]), row["precision"])
                                         if settings.device == "cuda" else None)

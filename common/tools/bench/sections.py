@@ -7,6 +7,8 @@ plans and the rows it makes of them.
   comm                       all-reduce sizes among N processes, one row a size
   scaling                    a DDP step at 1 and N processes per hook, split
                              into compute, exposed communication and data wait
+  decode                     DALI's decoders alone, per hw_decoder_load: one
+                             process per repeat measures them all
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from common.tools.bench.gpu_monitor import GpuMonitor
 from common.tools.bench.machine import half_support, with_machine
 from common.tools.bench.measurements import SCALING_POWERSGD_START_STEP, warm_page_cache
 from common.tools.bench.processes import ChildFailed, run_child, run_script
-from common.tools.bench.repeats import Planned, measure_section
+from common.tools.bench.repeats import Planned, finish, measure_section
 from common.tools.bench.report import emit, record, rounded, size_name
 from common.tools.bench.settings import Settings
 from common.tools.bench.targets import END_TO_END_CONFIG
@@ -138,8 +140,9 @@ def end_to_end_section(settings: Settings, logdir: Path, root: str,
     the CPU, AMP + channels-last on a GPU) training on the JPEGs of `root`
     with each data backend of settings.backends, and on synthetic data, all in
     the same rounds: real over synthetic says how input-bound each backend
-    leaves training. A backend that cannot run here gets a row saying why."""
-    workers = max(settings.workers)
+    leaves training. -j: Settings.data_workers and synthetic_workers (on a
+    GPU both the scripts' default). A backend that cannot run here gets a row saying why."""
+    workers = settings.data_workers
     name = END_TO_END_CONFIG[settings.device == "cuda"]
     _, script, flags = next(config for config in TRAIN_CONFIGS if config[0] == name)
     # The first W + N batches of the epoch the scripts draw (seed 0): the files they will read, once each.
@@ -156,6 +159,67 @@ def end_to_end_section(settings: Settings, logdir: Path, root: str,
                                    run_script, script, [*flags, "--data-backend", backend], settings, logdir,
                                    data=root, workers=workers)))
     return measure_section(planned, settings.repeats, settings, save)
+
+
+# The decode section: DALI's decoders alone (measurements.measure_decode), whole files and the training's crops,
+# at each share of a batch the GPU's hardware JPEG decoder takes: none (nvJPEG's CUDA decoder only), DALI's
+# default, most. On the CPU DALI's CPU decoder, once per pipeline: a baseline, labelled so.
+DECODE_PIPELINES = ("whole", "crops")
+DECODE_LOADS = (0.0, 0.65, 0.9)
+DECODE_CPU_NOTE = "DALI's CPU decoder (libjpeg-turbo): a baseline; hw_decoder_load needs a GPU"
+
+
+def decode_section(settings: Settings, root: str, save: Optional[Callable[[List[dict]], None]] = None) -> List[dict]:
+    """DALI's decode alone, in images/s: a fresh process per repeat
+    (settings.input_repeats) measures every configuration in turn, one row
+    each with the median over the repeats. DALI's threads: the scripts'
+    (Settings.data_workers, which --data-backend dali gives DALI)."""
+    on_gpu = settings.device == "cuda"
+    configs = [(name, load) for name in DECODE_PIPELINES for load in (DECODE_LOADS if on_gpu else (None,))]
+    spec = {"kind": "decode", "root": root, "device": settings.device, "batch_size": settings.batch_size,
+            "image_size": settings.image_size, "threads": settings.data_workers, "warmup": 3 if on_gpu else 1,
+            "batches": settings.input_batches, "configs": configs}
+    fields = [dict(section="decode", config=_decode_config(name, load), data_backend="dali",
+                   batch_size=settings.batch_size, image_size=settings.image_size, workers=spec["threads"],
+                   command=f"common.tools.bench.measurements.measure_decode: "
+                           f"{'fn.decoders.image' if name == 'whole' else 'common.dali.build_pipeline'}, device "
+                           f"{'mixed' if on_gpu else 'cpu'}" + (f", hw_decoder_load={load}" if on_gpu else ""),
+                   measured_steps=spec["batches"], warmup_steps=spec["warmup"], note="" if on_gpu else DECODE_CPU_NOTE)
+              for name, load in configs]
+    measured = [[] for _ in configs]
+
+    def measured_once(round_: int, found: dict) -> None:
+        for index, figures in enumerate(found["configs"]):
+            measured[index].append(figures)
+            print(f"decode {fields[index]['config']}: {figures['images_per_second']:.1f} images/s ({found['images']} "
+                  f"JPEGs a batch; repeat {round_} of {settings.input_repeats})", flush=True)
+        if save is not None and round_ < settings.input_repeats:
+            save([finish(row, done, None, settings) for row, done in zip(fields, measured)])
+
+    failure = backend_missing("dali") or repeated_child("decode", spec, settings.input_repeats, settings.gpu,
+                                                        measured_once)
+    return [emit(finish(row, done, failure, settings)) for row, done in zip(fields, measured)]
+
+
+def _decode_config(name: str, load: Optional[float]) -> str:
+    what = "whole files" if name == "whole" else "training crops"
+    return f"{what}, cpu decoder" if load is None else f"{what}, hw_decoder_load {load:g}"
+
+
+def repeated_child(section: str, spec: dict, repeats: int, gpu: Optional[GpuMonitor],
+                   measured_once: Callable[[int, dict], None]) -> Optional[str]:
+    """`spec`'s measurement (one process measuring all of a section's
+    configurations: comm, decode) in a fresh process per repeat, each
+    result given to measured_once(round, result); the failure that ended
+    the repeats ('failed in repeat N: ...'), None when none did."""
+    for round_ in range(1, repeats + 1):
+        try:
+            measured = run_child(spec, gpu)
+        except ChildFailed as error:
+            print(f"{section}: {error}", flush=True)
+            return f"failed in repeat {round_}: {error.reason}"
+        measured_once(round_, measured)
+    return None
 
 
 def backend_missing(backend: str) -> str:
@@ -216,14 +280,9 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
             "threads": max(1, usable_cores() // world)}
     print(f"comm: all-reduce among {world} processes ({backend}), {len(spec['sizes'])} sizes from "
           f"{size_name(min(spec['sizes']))} to {size_name(max(spec['sizes']))}", flush=True)
-    measurements, failure = [], None
-    for round_ in range(1, settings.repeats + 1):
-        try:
-            measured = run_child(spec, settings.gpu)
-        except ChildFailed as error:
-            failure = f"failed in repeat {round_}: {error.reason}"
-            print(f"comm: {error}", flush=True)
-            break
+    measurements = []
+
+    def measured_once(round_: int, measured: dict) -> None:
         measurements.append(measured)
         for found in measured["sizes"]:
             algbw = found["size_bytes"] / (found["time_us"] * 1e-6)
@@ -232,6 +291,8 @@ def comm_section(settings: Settings, save: Optional[Callable[[List[dict]], None]
                   f"{settings.repeats}, process {measured.get('process', '?')})", flush=True)
         if save is not None and round_ < settings.repeats:
             save(comm_rows(measurements, None, world, backend, spec["sizes"], settings.code))
+
+    failure = repeated_child("comm", spec, settings.repeats, settings.gpu, measured_once)
     return [emit(row) for row in comm_rows(measurements, failure, world, backend, spec["sizes"], settings.code)]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-from common import provenance
+from common import config, provenance
 from common.tools.bench.gpu_monitor import GpuMonitor
 
 
@@ -34,11 +34,21 @@ class Settings:
 
     @property
     def synthetic_workers(self) -> int:
-        """-j of the scripts' synthetic-data runs. On a GPU the loop is
-        launch-bound, so a batch assembled in the training process (-j 0:
-        256 copies and a stack) lengthens every step: on an H200 (2026-11-26,
-        ResNet-50 O2 b256) -j 0 gave 3,793 images/s (median of 3), one run
-        with the scripts' default -j 4 4,213 with the profiler on for 10 of
-        its 16 measured steps. On the CPU workers would take the cores the
-        step computes on."""
-        return 4 if self.device == "cuda" else 0
+        """-j of the scripts' synthetic-data runs: on a GPU the scripts'
+        default (data_workers). The loop is launch-bound there, so a batch
+        assembled in the training process (-j 0: 256 copies and a stack)
+        lengthens every step: on an H200 (2026-11-26, ResNet-50 O2 b256) -j 0
+        gave 3,793 images/s (median of 3), one run with the scripts' default
+        -j 4 4,213 with the profiler on for 10 of its 16 measured steps. On
+        the CPU workers would take the cores the step computes on."""
+        return self.data_workers if self.device == "cuda" else 0
+
+    @property
+    def data_workers(self) -> int:
+        """-j of every row that trains on or reads the JPEGs (end-to-end,
+        storage, decode's DALI threads): on a GPU the scripts' default
+        (config.DATA_WORKERS, their -j's default), which the synthetic rows
+        use too, so real over synthetic compares runs alike and says what a
+        run with the default flags gets (issue 41); on the CPU, whose cores
+        the step computes on, the largest of --workers (1 2 by default)."""
+        return config.DATA_WORKERS if self.device == "cuda" else max(self.workers)

@@ -9,7 +9,7 @@ cgroup read limit; root only, else those rows say why).
 
 What is timed is the read stage: the bytes of every training image, in the
 order an epoch reads them (TrainSampler's full permutation), by the
-data-loading workers the trainer would use (the largest --workers), each
+data-loading workers the trainer would use (Settings.data_workers), each
 measurement a fresh process after the page cache was dropped
 (measurements.measure_storage_read). Decoding is timed apart, on local disk
 (the `decoded` rows: the input section's torchvision pipeline on the tree
@@ -75,7 +75,7 @@ def _read_rows(settings: Settings, folder: Path, places: dict, storage, profile:
             problem = problem or IN_MEMORY_SERVER
         spec = {"kind": "storage-read", "data": data, "format": data_format, "order": order,
                 "endpoint_url": endpoint_url or None, "batch_size": settings.batch_size,
-                "workers": max(settings.workers)}
+                "workers": settings.data_workers}
         if where == "object store":
             spec["environment"] = storage_setup.MOTO_ENVIRONMENT
         if where == "cache" and not problem:
@@ -94,7 +94,7 @@ def _decoded_rows(settings: Settings, places: dict) -> List[Planned]:
     planned = []
     for name, where in (("decoded: folder tree", "tree"), ("decoded: shards", "shards")):
         data, _, problem = places[where]
-        spec = {"kind": "input", "backend": "torchvision", "root": data, "workers": max(settings.workers),
+        spec = {"kind": "input", "backend": "torchvision", "root": data, "workers": settings.data_workers,
                 "image_size": settings.image_size, "batch_size": settings.batch_size,
                 "batches": settings.input_batches, "device": settings.device}
         fields = dict(section="storage", config=name, storage=LOCAL, data_backend="torchvision",
