@@ -64,7 +64,7 @@ bench: $(INSTALLED)
 
 # `make gpu-check`: on a machine with a CUDA GPU, the GPU record in one call
 # (docs/tests.md#the-gpu-record-in-one-call): the parts in GPU_CHECK_PARTS (default: tests profile graphs
-# bench matrix, most valuable first) within GPU_CHECK_SECONDS (default 540). It builds no venv: .venv's
+# bench decode matrix, most valuable first) within GPU_CHECK_SECONDS (default 540). It builds no venv: .venv's
 # python where there is one, else python3 (a GPU image's, offline).
 GPU_CHECK_PARTS ?=
 gpu-check:

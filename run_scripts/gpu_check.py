@@ -13,6 +13,7 @@ The parts (env always comes first: a few seconds):
            data); with --cuda-graphs off and on where the scripts have that flag (auto is one of them)
   graphs   the same step's images/s with --cuda-graphs off then on, 3 such pairs
   bench    python -m common.tools.bench --device cuda, its train and end-to-end sections, 3 repeats
+  decode   the bench's decode section: DALI's decoders alone at hw_decoder_load 0, 0.65 and 0.9, 3 repeats
   matrix   run_scripts/gpu_demo_matrix.sh (every script, O0-O3 in fp16 and bf16, each >= 95% top-1),
            its run directories copied without checkpoints into results/runs/gpu-<date>/
 
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "profile", "graphs", "bench", "matrix")  # the default order: most valuable first
+PARTS = ("tests", "profile", "graphs", "bench", "decode", "matrix")  # the default order: most valuable first
 DEFAULT_SECONDS = 540  # one 10-minute command of the device tool, with a minute to spare
 MAX_SECONDS = 86_400
 RESERVE_SECONDS = 20  # kept back from the parts for the archive and the summary
@@ -69,6 +70,7 @@ STEP_FLAGS = ("imagenet_ddp_apex.py", "--synthetic", "-a", "resnet50", "-b", "25
 GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.MULTILINE)
 BENCH_FLAGS = ("-m", "common.tools.bench", "--device", "cuda", "--sections", "train", "end-to-end",
                "--configs", "ddp_apex O2 channels_last", "--repeats", "3")
+DECODE_FLAGS = ("-m", "common.tools.bench", "--device", "cuda", "--sections", "decode", "--repeats", "3")
 
 
 class UsageError(Exception):
@@ -192,6 +194,14 @@ def bench_part(settings: Settings) -> Part:
                                after=lambda: last_line(settings.out / "bench.log")),))
 
 
+def decode_part(settings: Settings) -> Part:
+    """DALI's decoders alone (whole files and the training's crops): what bounds the end-to-end dali row."""
+    command = (settings.python, *DECODE_FLAGS, "--csv", str(settings.out / "bench-decode.csv"))
+    # 90 s and 40 s: guesses (3 processes, 6 pipelines of 40 batches of 256 each, the JPEGs made); not timed yet.
+    return Part("decode", (Step("decode", (command,), "bench-decode.log", 90, 40,
+                                after=lambda: last_line(settings.out / "bench-decode.log")),))
+
+
 def matrix_part(settings: Settings, deadline: Callable[[], float]) -> Part:
     """gpu_demo_matrix.sh starts a run only while MATRIX_RUN_SECONDS fit before the deadline (so its closing
     accuracy check still runs); then the run directories are copied without their checkpoints."""
@@ -208,7 +218,7 @@ def matrix_part(settings: Settings, deadline: Callable[[], float]) -> Part:
 
 def build_parts(names: Sequence[str], settings: Settings, deadline: Callable[[], float]) -> List[Part]:
     builders = {"tests": tests_part, "profile": profile_part, "graphs": graphs_part, "bench": bench_part,
-                "matrix": lambda settings: matrix_part(settings, deadline)}
+                "decode": decode_part, "matrix": lambda settings: matrix_part(settings, deadline)}
     return [Part("env", (env_step(settings),))] + [builders[name](settings) for name in names]
 
 

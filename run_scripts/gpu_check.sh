@@ -4,7 +4,7 @@
 # graphed), its images/s with --cuda-graphs off and on, the benchmark's train and end-to-end sections, and the
 # digits matrix; what did not fit is skipped and named at the end. Without a GPU: one line, exit status 2.
 #
-#   bash run_scripts/gpu_check.sh                       # tests profile graphs bench matrix, in that order
+#   bash run_scripts/gpu_check.sh                       # tests profile graphs bench decode matrix, in order
 #   bash run_scripts/gpu_check.sh bench matrix          # these parts, in the order named
 #   GPU_CHECK_DRY_RUN=1 bash run_scripts/gpu_check.sh   # the commands and the deadline arithmetic only
 #

@@ -67,11 +67,13 @@ def test_the_parts_run_in_the_order_named_after_env(tmp_path, monkeypatch):
 
 def test_the_default_order_is_most_valuable_first(tmp_path, monkeypatch):
     _, _, summary = dry_run(tmp_path, "--seconds", "5000", graphs=True, monkeypatch=monkeypatch)
-    assert summary.name == "summary-tests-profile-graphs-bench-matrix.txt"
-    # Each step takes its estimate: env 5, tests 180, profile 2 x 40, graphs 3 pairs x 60, bench 420, matrix 420.
+    assert summary.name == "summary-tests-profile-graphs-bench-decode-matrix.txt"
+    # Each step takes its estimate: env 5, tests 180, profile 2 x 40, graphs 3 pairs x 60, bench 420, decode 90,
+    # matrix 420.
     assert table_rows(summary) == [("env", "would run", 5), ("tests", "would run", 180),
                                    ("profile", "would run", 80), ("graphs", "would run", 180),
-                                   ("bench", "would run", 420), ("matrix", "would run", 420)]
+                                   ("bench", "would run", 420), ("decode", "would run", 90),
+                                   ("matrix", "would run", 420)]
     assert summary.read_text().splitlines()[-1] == "skipped: nothing"
 
 
@@ -162,7 +164,7 @@ def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["benchmark"], "argument PART: unknown part 'benchmark' (choose from tests, profile, graphs, bench, matrix)"),
+    (["benchmark"], "argument PART: unknown part 'benchmark' (choose from tests, profile, graphs, bench, decode, matrix)"),
     (["--seconds", "0"], "argument --seconds: expected whole seconds from 1 to 86400, got '0'"),
     (["--seconds", "10**15"], "argument --seconds: expected whole seconds from 1 to 86400, got '10**15'"),
 ])
