@@ -234,7 +234,8 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     # every step, which lets DDP skip its per-step search for unused ones.
     # --bucket-cap-mb only when given: DDP's own default keeps a small first bucket, which any size given drops.
     size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
-    options = fewer_copies(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
+    options = fewer_copies(inspect.signature(nn.parallel.DistributedDataParallel).parameters,
+                           on_gpu=ctx.device.type == "cuda")
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                               static_graph=cfg.static_graph, **size, **options)
     if options.get("broadcast_buffers") is False:  # a torch before 2.14: that also left out the buffers' first sync
@@ -267,12 +268,13 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     return ddp, hook
 
 
-def fewer_copies(ddp_parameters) -> dict:
+def fewer_copies(ddp_parameters, on_gpu: bool) -> dict:
     """DDP's options that take per-tensor copies out of each step, as far as
-    this torch's DDP (`ddp_parameters`: its signature's) has them. Measured on
-    the CPU (ResNet-50, docs/performance.md): 159 of a step's 689 copies were
-    DDP re-broadcasting the buffers before each forward pass, 161 its
-    per-gradient copies into the buckets.
+    this torch's DDP (`ddp_parameters`: its signature's) has them. Counted on
+    the CPU (ResNet-50, one process, docs/performance.md): of a step's 689
+    copies, 159 were DDP's broadcast of the buffers before each forward
+    pass, and DDP brought each of the 161 gradients into its bucket by a
+    multiply of its own.
 
     Buffers are synced once, when DDP wraps the model, and not again before
     every forward pass: that broadcast only overwrote the other processes'
@@ -284,14 +286,19 @@ def fewer_copies(ddp_parameters) -> dict:
     forward_sync_buffers; the older broadcast_buffers=False also skips the
     first sync, which distributed_model then does itself.
 
-    batched_grad_copy (torch 2.14): a bucket's gradients copied in by one
-    _foreach_copy_ and divided by the number of processes once, not one
-    multiply per gradient. Bitwise the same weights where the process count
-    is a power of two (one process included): 1/W is exact there; elsewhere
-    g / W instead of g * (1/W), within one rounding of it."""
+    batched_grad_copy (torch 2.14), on GPUs only: a bucket's gradients
+    copied in by one _foreach_copy_ and divided by the number of processes
+    once, not one multiply (a kernel launch) per gradient: for a step whose
+    host is the bottleneck (the H200's, RESULTS.md). It costs a second pass
+    over the gradients' memory (ResNet-50's: 100 MB), not yet measured on a
+    GPU; the CPU, which has no launches to save, took 200 ms a step with it
+    instead of 175 (ResNet-50, batch 2 at 64 px, 2-core Xeon). Bitwise the
+    same weights where the process count is a power of two (one process
+    included): 1/W is exact there; elsewhere g / W instead of g * (1/W),
+    within one rounding of it."""
     options = {"forward_sync_buffers": False} if "forward_sync_buffers" in ddp_parameters else \
         {"broadcast_buffers": False}
-    if "batched_grad_copy" in ddp_parameters:
+    if on_gpu and "batched_grad_copy" in ddp_parameters:
         options["batched_grad_copy"] = True
     return options
 

@@ -1,7 +1,8 @@
 """Issue 41: the per-tensor copies of a DDP training step (docs/performance.md),
 counted by torch.profiler on the CPU: DDP's options of common.comm.fewer_copies
-take out the buffers' broadcast before every forward pass and the gradients'
-copies into the buckets one by one, and train the same weights bitwise."""
+take out the buffers' broadcast before every forward pass and, on GPUs, the
+gradients' copies into the buckets one by one (checked here on the CPU with
+the GPU's options), and train the same weights bitwise."""
 from __future__ import annotations
 
 import collections
@@ -24,7 +25,7 @@ from helpers import free_port
 
 CPU = torch.device("cpu")
 ACCUMULATE_GRAD = "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"
-# What DDP's reducer does per gradient to bring it into its bucket: a multiply by 1 / processes (no hook), a copy (a hook).
+# What DDP's reducer does per gradient to bring it into its bucket: multiply by 1 / processes (no hook), copy (a hook).
 ONE_GRADIENT_AT_A_TIME = ("torch::distributed::reducer::mul_out", "aten::copy_", "aten::mul")
 RESNET18_TENSORS = (62, 60)  # parameters; buffers (20 BatchNorm layers: mean, variance, batches counted)
 
@@ -101,36 +102,50 @@ def one_process(tmp_path):
         dist.destroy_process_group()
 
 
-def _as_before(parameters) -> dict:
+def _as_before(parameters, on_gpu: bool) -> dict:
     """DDP's options before issue 41: buffers broadcast before every forward pass, gradients copied one by one."""
     return {}
 
 
-def test_a_ddp_step_copies_no_buffer_and_gradients_a_bucket_at_a_time(one_process):
+def _as_on_a_gpu(parameters, on_gpu: bool) -> dict:
+    """The options a GPU run takes, here on the CPU."""
+    return FEWER_COPIES(parameters, on_gpu=True)
+
+
+FEWER_COPIES = comm.fewer_copies
+
+
+def test_a_ddp_step_copies_no_buffer_and_on_a_gpu_the_gradients_a_bucket_at_a_time(one_process):
     """ResNet-18, one process: before, each step copied its 60 buffers back
     from DDP's broadcast and multiplied its 62 gradients into the buckets one
-    at a time; now neither, and the weights and buffers after 3 steps (the
-    last profiled) are bitwise those of DDP's options as they were."""
+    at a time; now no buffer, and with a GPU's options the gradients a
+    bucket at a time. The weights and buffers after 3 steps (the last
+    profiled) are bitwise those of DDP's options as they were, either way."""
     batches = _batches(seed=1, steps=3)
     weights, copies = _train(one_process, batches, profiled_steps=1)
+    with mock.patch.object(comm, "fewer_copies", _as_on_a_gpu):
+        gpu_weights, gpu_copies = _train(one_process, batches, profiled_steps=1)
     with mock.patch.object(comm, "fewer_copies", _as_before):
         before_weights, before = _train(one_process, batches, profiled_steps=1)
     parameters, buffers = RESNET18_TENSORS
     assert before == {"buffer broadcast": buffers, "gradients into buckets, one by one": parameters}
-    assert copies.get("buffer broadcast", 0) == 0 and copies.get("gradients into buckets, one by one", 0) == 0
+    assert copies == {"gradients into buckets, one by one": parameters}  # the CPU has no launches to save
     # DDP's default buckets for ResNet-18's 45 MB of gradients: 1 MiB first, then 25 MiB: 3 buckets.
-    assert copies["gradients into buckets, a bucket at a time"] == 3
+    assert gpu_copies == {"gradients into buckets, a bucket at a time": 3}
     assert len(weights) == parameters + buffers
-    assert all(torch.equal(after, was) for after, was in zip(weights, before_weights))
+    for trained in (weights, gpu_weights):
+        assert all(torch.equal(after, was) for after, was in zip(trained, before_weights))
 
 
 def test_the_options_follow_the_torch_at_hand():
     """torch 2.14 names the forward pass's buffer sync forward_sync_buffers and
-    has batched_grad_copy; an older torch has only broadcast_buffers (whose
-    False also skips the first sync, which distributed_model then does)."""
-    assert comm.fewer_copies({"broadcast_buffers": None, "forward_sync_buffers": None, "batched_grad_copy": None}) \
-        == {"forward_sync_buffers": False, "batched_grad_copy": True}
-    assert comm.fewer_copies({"broadcast_buffers": None}) == {"broadcast_buffers": False}
+    has batched_grad_copy (taken on GPUs); an older torch has only
+    broadcast_buffers (whose False also skips the first sync, which
+    distributed_model then does)."""
+    torch_2_14 = {"broadcast_buffers": None, "forward_sync_buffers": None, "batched_grad_copy": None}
+    assert comm.fewer_copies(torch_2_14, on_gpu=True) == {"forward_sync_buffers": False, "batched_grad_copy": True}
+    assert comm.fewer_copies(torch_2_14, on_gpu=False) == {"forward_sync_buffers": False}
+    assert comm.fewer_copies({"broadcast_buffers": None}, on_gpu=True) == {"broadcast_buffers": False}
 
 
 def _two_processes(rank: int, port: int, hook: str, accum_steps: int, out_dir) -> None:
@@ -138,11 +153,12 @@ def _two_processes(rank: int, port: int, hook: str, accum_steps: int, out_dir) -
     torch.set_num_threads(1)
     ctx = Context(rank=rank, local_rank=rank, world_size=2, device=CPU, backend="gloo")
     batches = _batches(seed=10 + rank, steps=4 * accum_steps)
-    weights, copies = _train(ctx, batches, hook, accum_steps, profiled_steps=2)
+    with mock.patch.object(comm, "fewer_copies", _as_on_a_gpu):
+        weights, copies = _train(ctx, batches, hook, accum_steps, profiled_steps=2)
     with mock.patch.object(comm, "fewer_copies", _as_before):
         before, _ = _train(ctx, batches, hook, accum_steps)
     # An older torch's broadcast_buffers=False: the buffers still start as the primary's.
-    with mock.patch.object(comm, "fewer_copies", lambda parameters: {"broadcast_buffers": False}), \
+    with mock.patch.object(comm, "fewer_copies", lambda parameters, on_gpu: {"broadcast_buffers": False}), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.14's word on broadcast_buffers, the older torch's own
         model = build_model("resnet18", 10, image_size=32)
@@ -163,8 +179,8 @@ def _two_processes(rank: int, port: int, hook: str, accum_steps: int, out_dir) -
 # 2.14), which are bitwise alike, these options or not (docs/performance.md).
 @pytest.mark.parametrize("hook, accum_steps", [("none", 1), ("none", 2), ("fp16", 1)])
 def test_two_processes_train_as_with_the_options_before(tmp_path, hook, accum_steps):
-    """Two processes (gloo), with DDP's all-reduce, the fp16 hook and
-    --accum-steps 2 (DDP's no_sync): every process's weights, and the
+    """Two processes (gloo) with a GPU's options, with DDP's all-reduce, the
+    fp16 hook and --accum-steps 2 (DDP's no_sync): every process's weights, and the
     primary's buffers, after 4 steps are bitwise those of DDP's options as
     they were (1 / 2 is exact), with no buffer copied in the forward pass and the gradients
     copied into the buckets a bucket at a time. The other process's buffers
