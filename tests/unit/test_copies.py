@@ -36,23 +36,27 @@ def _config(hook: str = "none") -> types.SimpleNamespace:
                                  powersgd_start_step=2, seed=0)
 
 
-def _batches(seed: int, steps: int) -> list:
+def _batches(seed: int, steps: int, size: int = 32, batch: int = 4) -> list:
     generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 3, 32, 32, generator=generator), torch.randint(0, 10, (4,), generator=generator))
-            for _ in range(steps)]
+    return [(torch.randn(batch, 3, size, size, generator=generator),
+             torch.randint(0, 10, (batch,), generator=generator)) for _ in range(steps)]
 
 
-def _train(ctx: Context, batches: list, hook: str = "none", accum_steps: int = 1, profiled_steps: int = 0):
-    """ResNet-18 in comm.distributed_model, O2 bf16 and foreach SGD with
-    momentum as the Trainer runs them, trained on `batches` (groups of
-    `accum_steps` micro-batches, the first ones under no_sync); its weights
-    and buffers, and the copies per step counted over the last `profiled_steps`."""
+def _train(ctx: Context, batches: list, hook: str = "none", accum_steps: int = 1, profiled_steps: int = 0,
+           arch: str = "resnet18", amp_dtype: str = "bf16"):
+    """`arch` in comm.distributed_model, O2 and SGD with momentum as the
+    Trainer runs them (foreach; channels-last on a GPU), trained on
+    `batches` (groups of `accum_steps` micro-batches, the first ones under
+    no_sync); its weights and buffers, and the copies per step counted over
+    the last `profiled_steps` (the profile too)."""
     torch.manual_seed(ctx.rank)  # a different start on each process: DDP's first sync makes them the primary's
-    model = build_model("resnet18", 10, image_size=32)
-    policy = build_policy("O2", "bf16", CPU)
+    policy = build_policy("O2", amp_dtype, ctx.device)
+    layout = torch.channels_last if policy.channels_last else torch.contiguous_format
+    model = build_model(arch, 10, image_size=batches[0][0].shape[-1]).to(ctx.device, memory_format=layout)
     ddp, _ = comm.distributed_model(model, _config(hook), ctx)
-    optimizer = sgd(ddp, 0.005, 0.9, 1e-4)
-    steps = [batches[start:start + accum_steps] for start in range(0, len(batches), accum_steps)]
+    optimizer = sgd(ddp, 0.005, 0.9, 1e-4, loss_scaling=policy.scales_loss)
+    steps = [[(images.to(ctx.device, memory_format=layout), target.to(ctx.device)) for images, target in
+              batches[start:start + accum_steps]] for start in range(0, len(batches), accum_steps)]
 
     def step(micro):
         if accum_steps > 1:  # as the Trainer does (backward_and_step does it for one micro-batch)
@@ -73,11 +77,14 @@ def _train(ctx: Context, batches: list, hook: str = "none", accum_steps: int = 1
 
     for micro in steps[:len(steps) - profiled_steps]:
         step(micro)
-    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+    on_gpu = ctx.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu) as profiled:
         for micro in steps[len(steps) - profiled_steps:]:
             step(micro)
+        if on_gpu:
+            torch.cuda.synchronize(ctx.device)
     weights = [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
-    return weights, _copies_per_step(profiled.events(), profiled_steps)
+    return weights, _copies_per_step(profiled.events(), profiled_steps), profiled
 
 
 def _copies_per_step(events, steps: int) -> dict:
@@ -122,11 +129,11 @@ def test_a_ddp_step_copies_no_buffer_and_on_a_gpu_the_gradients_a_bucket_at_a_ti
     bucket at a time. The weights and buffers after 3 steps (the last
     profiled) are bitwise those of DDP's options as they were, either way."""
     batches = _batches(seed=1, steps=3)
-    weights, copies = _train(one_process, batches, profiled_steps=1)
+    weights, copies, _ = _train(one_process, batches, profiled_steps=1)
     with mock.patch.object(comm, "fewer_copies", _as_on_a_gpu):
-        gpu_weights, gpu_copies = _train(one_process, batches, profiled_steps=1)
+        gpu_weights, gpu_copies, _ = _train(one_process, batches, profiled_steps=1)
     with mock.patch.object(comm, "fewer_copies", _as_before):
-        before_weights, before = _train(one_process, batches, profiled_steps=1)
+        before_weights, before, _ = _train(one_process, batches, profiled_steps=1)
     parameters, buffers = RESNET18_TENSORS
     assert before == {"buffer broadcast": buffers, "gradients into buckets, one by one": parameters}
     assert copies == {"gradients into buckets, one by one": parameters}  # the CPU has no launches to save
@@ -154,9 +161,9 @@ def _two_processes(rank: int, port: int, hook: str, accum_steps: int, out_dir) -
     ctx = Context(rank=rank, local_rank=rank, world_size=2, device=CPU, backend="gloo")
     batches = _batches(seed=10 + rank, steps=4 * accum_steps)
     with mock.patch.object(comm, "fewer_copies", _as_on_a_gpu):
-        weights, copies = _train(ctx, batches, hook, accum_steps, profiled_steps=2)
+        weights, copies, _ = _train(ctx, batches, hook, accum_steps, profiled_steps=2)
     with mock.patch.object(comm, "fewer_copies", _as_before):
-        before, _ = _train(ctx, batches, hook, accum_steps)
+        before, _, _ = _train(ctx, batches, hook, accum_steps)
     # An older torch's broadcast_buffers=False: the buffers still start as the primary's.
     with mock.patch.object(comm, "fewer_copies", lambda parameters, on_gpu: {"broadcast_buffers": False}), \
             warnings.catch_warnings():
@@ -200,3 +207,44 @@ def test_two_processes_train_as_with_the_options_before(tmp_path, hook, accum_st
         assert result["copies"].get("gradients into buckets, one by one", 0) == (3 if hook == "fp16" else 0)
         assert result["copies"]["gradients into buckets, a bucket at a time"] == 3
         assert result["first_buffers"] == {1}  # the primary's (rank 0 filled its buffers with 1s)
+
+
+def _device_copies_by_caller(profiled, steps: int) -> dict:
+    """Device-to-device memcpys per step, by the operator that queued them and its two callers."""
+    callers = collections.Counter()
+    for event in profiled.events():
+        memcpys = sum(kernel.name.startswith("Memcpy DtoD") for kernel in event.kernels)
+        if memcpys:
+            chain, parent = [event.name], event.cpu_parent
+            while parent is not None and len(chain) < 3:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            callers[" < ".join(chain)] += memcpys
+    return {caller: count / steps for caller, count in callers.most_common()}
+
+
+@pytest.mark.gpu
+def test_a_resnet50_step_on_the_gpu_copies_no_buffer_and_the_gradients_a_bucket_at_a_time(tmp_path):
+    """Where the H200's 324 device-to-device copies a step came from
+    (RESULTS.md's profile: ResNet-50, O2 fp16, channels-last, DDP on one
+    GPU): none from DDP's buffer broadcast (159 buffers) or its gradients
+    one by one (161) now; the copies left, per step and by caller, are
+    printed (pytest -rA shows them) for docs/performance.md."""
+    import torch.cuda
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ctx = Context(rank=0, local_rank=0, world_size=1, device=device, backend="nccl")
+        _, copies, profiled = _train(ctx, _batches(seed=1, steps=5, size=224, batch=64), profiled_steps=2,
+                                     arch="resnet50", amp_dtype="fp16")
+    finally:
+        dist.destroy_process_group()
+    memcpys = _device_copies_by_caller(profiled, 2)
+    print(f"device-to-device memcpys per step: {sum(memcpys.values()):g}, by caller: {memcpys}")
+    print(f"copies per step: {copies}")
+    assert copies.get("buffer broadcast", 0) == 0 and copies.get("gradients into buckets, one by one", 0) == 0
+    # ResNet-50's 100 MB of gradients in DDP's default buckets (1 MiB, then 25 MiB each): 5 of them.
+    assert 2 <= copies["gradients into buckets, a bucket at a time"] <= 8
+    assert not any(caller.startswith("aten::copy_ < DistributedDataParallel.forward") for caller in memcpys)
