@@ -230,8 +230,6 @@ def test_a_resnet50_step_on_the_gpu_copies_no_buffer_and_the_gradients_a_bucket_
     GPU): none from DDP's buffer broadcast (159 buffers) or its gradients
     one by one (161) now; the copies left, per step and by caller, are
     printed (pytest -rA shows them) for docs/performance.md."""
-    import torch.cuda
-
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
