@@ -291,8 +291,8 @@ def fewer_copies(ddp_parameters, on_gpu: bool) -> dict:
     once, not one multiply (a kernel launch) per gradient: for a step whose
     host is the bottleneck (the H200's, RESULTS.md). It costs a second pass
     over the gradients' memory (ResNet-50's: 100 MB), not yet measured on a
-    GPU; the CPU, which has no launches to save, took 200 ms a step with it
-    instead of 175 (ResNet-50, batch 2 at 64 px, 2-core Xeon). Bitwise the
+    GPU; the CPU, which has no launches to save, took 193-203 ms a step with
+    it instead of 173-176 (ResNet-50, batch 2 at 64 px, 2-core Xeon). Bitwise the
     same weights where the process count is a power of two (one process
     included): 1/W is exact there; elsewhere g / W instead of g * (1/W),
     within one rounding of it."""
