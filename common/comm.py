@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from typing import Optional, Tuple
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from common.config import Config
-from common.distributed import Context, gather_to_primary
+from common.distributed import Context, broadcast_buffers_from_primary, gather_to_primary
 from common.errors import UsageError
 from common.models import unwrap
 
@@ -234,11 +235,15 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     # every step, which lets DDP skip its per-step search for unused ones.
     # --bucket-cap-mb only when given: DDP's own default keeps a small first bucket, which any size given drops.
     size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
+    options = fewer_copies(inspect.signature(nn.parallel.DistributedDataParallel).parameters,
+                           on_gpu=ctx.device.type == "cuda")
     # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be captured.
     on_side_stream = cfg.cuda_graphs == "on" and ctx.device.type == "cuda"
     with torch.cuda.stream(torch.cuda.Stream(ctx.device)) if on_side_stream else contextlib.nullcontext():
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
-                                                  static_graph=cfg.static_graph, **size)
+                                                  static_graph=cfg.static_graph, **size, **options)
+    if options.get("broadcast_buffers") is False:  # a torch before 2.14: that also left out the buffers' first sync
+        broadcast_buffers_from_primary(model, ctx)
     hook = CommHook(cfg.ddp_comm_hook)
     if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
         ddp.register_comm_hook(None, _cast_in_this_thread(cfg.ddp_comm_hook))
@@ -265,6 +270,41 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
 
         ddp.register_comm_hook(hook.state, powersgd_hook)
     return ddp, hook
+
+
+def fewer_copies(ddp_parameters, on_gpu: bool) -> dict:
+    """DDP's options that take per-tensor copies out of each step, as far as
+    this torch's DDP (`ddp_parameters`: its signature's) has them. Counted on
+    the CPU (ResNet-50, one process, docs/performance.md): of a step's 689
+    copies, 159 were DDP's broadcast of the buffers before each forward
+    pass, and DDP brought each of the 161 gradients into its bucket by a
+    multiply of its own.
+
+    Buffers are synced once, when DDP wraps the model, and not again before
+    every forward pass: that broadcast only overwrote the other processes'
+    BatchNorm statistics with the primary's, and the primary's own are the
+    same either way (copied onto themselves), as are every process's weights
+    (BatchNorm normalises a training batch by its own statistics). The
+    primary's are the ones saved, and validation takes them first
+    (common.engine's _validated_model). torch 2.14 calls the option
+    forward_sync_buffers; the older broadcast_buffers=False also skips the
+    first sync, which distributed_model then does itself.
+
+    batched_grad_copy (torch 2.14), on GPUs only: a bucket's gradients
+    copied in by one _foreach_copy_ and divided by the number of processes
+    once, not one multiply (a kernel launch) per gradient: for a step whose
+    host is the bottleneck (the H200's, RESULTS.md). It costs a second pass
+    over the gradients' memory (ResNet-50's: 100 MB), not yet measured on a
+    GPU; the CPU, which has no launches to save, took 193-203 ms a step with
+    it instead of 173-176 (ResNet-50, batch 2 at 64 px, 2-core Xeon). Bitwise the
+    same weights where the process count is a power of two (one process
+    included): 1/W is exact there; elsewhere g / W instead of g * (1/W),
+    within one rounding of it."""
+    options = {"forward_sync_buffers": False} if "forward_sync_buffers" in ddp_parameters else \
+        {"broadcast_buffers": False}
+    if on_gpu and "batched_grad_copy" in ddp_parameters:
+        options["batched_grad_copy"] = True
+    return options
 
 
 def _cast_in_this_thread(hook_name: str):
