@@ -32,8 +32,8 @@ RESNET18_TENSORS = (62, 60)  # parameters; buffers (20 BatchNorm layers: mean, v
 
 def _config(hook: str = "none") -> types.SimpleNamespace:
     """The fields of Config that comm.distributed_model reads; PowerSGD compresses from its 2nd step."""
-    return types.SimpleNamespace(ddp_comm_hook=hook, bucket_cap_mb=None, static_graph=False, powersgd_rank=None,
-                                 powersgd_start_step=2, seed=0)
+    return types.SimpleNamespace(ddp_comm_hook=hook, bucket_cap_mb=None, static_graph=False, cuda_graphs="off",
+                                 powersgd_rank=None, powersgd_start_step=2, seed=0)
 
 
 def _batches(seed: int, steps: int, size: int = 32, batch: int = 4) -> list:
