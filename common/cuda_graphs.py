@@ -262,6 +262,10 @@ class GraphedStep:
         if self._optimizer_ready:
             return
         self._optimizer_ready = True
+        # What torch's SGD(fused=True) sets itself: GradScaler.step then hands it the scale and found_inf on the
+        # device. Without it (the foreach SGD engine.sgd makes under fp16 loss scaling, made fused here) the
+        # scaler reads found_inf on the host (.item()), which a capture refuses.
+        self.optimizer._step_supports_amp_scaling = True
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
             if not group["momentum"]:

@@ -334,6 +334,29 @@ def test_the_graphable_step_reads_nothing_back_to_the_host(policy, host_reads_ra
     assert not torch.equal(model[5].weight.detach(), before)
 
 
+def test_the_scripts_fp16_sgd_made_fused_skips_on_the_device_without_a_host_read(host_reads_raise):
+    """The SGD a script makes under fp16 loss scaling (engine.sgd: foreach, as on a GPU) is what the captured
+    step gets: made fused, the GradScaler must hand it the skip on the device, as it does torch's fused SGD,
+    not read found_inf on the host (which a capture refuses). An overflowing step is still skipped."""
+    model = small_model()
+    optimizer = engine.sgd(model, 0.1, 0.9, 1e-4, loss_scaling=True)
+    assert optimizer.param_groups[0]["foreach"] and not optimizer.param_groups[0]["fused"]
+    policy = fp16_on_cpu()
+    graphed = GraphedStep(model, nn.CrossEntropyLoss(), optimizer, policy, torch.device("cpu"), None,
+                          say=lambda line: None)
+    sample = batch(0)
+    graphed(sample.image, sample.target, 0.1)  # the scaler's first use makes its tensors
+    weights = [parameter.detach().clone() for parameter in model.parameters()]
+    policy.scaler._scale.fill_(OVERFLOWING_SCALE)
+    host_reads_raise()
+    graphed.body(sample.image, sample.target)
+    for parameter, weight in zip(model.parameters(), weights):
+        assert torch.equal(parameter.detach(), weight)
+    policy.scaler._scale.fill_(1024.0)  # a scale that fits: this step is taken
+    graphed.body(sample.image, sample.target)
+    assert not torch.equal(model[5].weight.detach(), weights[-2])
+
+
 def test_the_eager_fp16_step_with_foreach_sgd_reads_the_skip_on_the_host(host_reads_raise):
     """Why the captured step takes fused SGD: with the foreach SGD that eager fp16 steps use (engine.sgd),
     the GradScaler decides the skip on the host."""
