@@ -235,10 +235,12 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     # --bucket-cap-mb only when given: DDP's own default keeps a small first bucket, which any size given drops.
     size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
     # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be captured.
-    on_side_stream = cfg.cuda_graphs == "on" and ctx.device.type == "cuda"
-    with torch.cuda.stream(torch.cuda.Stream(ctx.device)) if on_side_stream else contextlib.nullcontext():
+    side_stream = torch.cuda.Stream(ctx.device) if cfg.cuda_graphs == "on" and ctx.device.type == "cuda" else None
+    with torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext():
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                                   static_graph=cfg.static_graph, **size)
+    if side_stream is not None:  # its constructor copied rank 0's weights in on that stream, without a wait
+        torch.cuda.current_stream(ctx.device).wait_stream(side_stream)
     hook = CommHook(cfg.ddp_comm_hook)
     if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
         ddp.register_comm_hook(None, _cast_in_this_thread(cfg.ddp_comm_hook))

@@ -1,13 +1,15 @@
 """--cuda-graphs (common/cuda_graphs.py): the captured training step's logic on the CPU, where a stand-in
 graph replays the same function over the same static buffers; on a GPU (`gpu`), the real CUDA graph against
 eager steps."""
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
 from torch import nn
 
-from common import cli, data, distributed, engine, measure, meters, precision, schedules, telemetry
+from common import cli, comm, data, distributed, engine, measure, meters, precision, schedules, telemetry
 from common.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, GraphedStep, choose
 from common.errors import UsageError
 
@@ -219,6 +221,44 @@ def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
         loss = nn.functional.cross_entropy(model(sample.image), sample.target)
     policy.backward_and_step(loss, optimizer)
     assert not torch.equal(model[5].weight, before)
+
+
+def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses_its_weights(monkeypatch):
+    """DDP's constructor copies rank 0's weights into every process's model on the stream current then (a
+    non-blocking copy after its broadcast): under --cuda-graphs on a side stream, which the training stream
+    (the first step, a resume's load) must wait for. Stand-in streams and DDP record the order."""
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    current = [Stream("training stream")]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    def ddp(model, **options):
+        events.append(f"DDP made on the {current[-1].name}")
+        return model
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side stream"))
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", ddp)
+    ctx = distributed.Context(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1), backend="nccl")
+    options = dict(ddp_comm_hook="none", bucket_cap_mb=None, static_graph=True)
+    comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="on", **options), ctx)
+    assert events == ["DDP made on the side stream", "training stream waits for side stream"]
+    events.clear()
+    comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="off", **options), ctx)
+    assert events == ["DDP made on the training stream"]  # off and auto: as before
 
 
 # --- the fp16 scaler's skip, on the device ---
