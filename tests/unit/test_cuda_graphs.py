@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from common import cli, comm, data, distributed, engine, measure, meters, precision, schedules, telemetry
+from common import (cli, comm, cuda_graphs, data, distributed, engine, measure, meters, precision, schedules, session,
+                    telemetry)
 from common.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, GraphedStep, choose
 from common.errors import UsageError
 
@@ -254,11 +255,31 @@ def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses
     monkeypatch.setattr(nn.parallel, "DistributedDataParallel", ddp)
     ctx = distributed.Context(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1), backend="nccl")
     options = dict(ddp_comm_hook="none", bucket_cap_mb=None, static_graph=True)
-    comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="on", **options), ctx)
+    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="on", **options), ctx)
     assert events == ["DDP made on the side stream", "training stream waits for side stream"]
+    assert hook.stream.name == "side stream"  # for the warm-up and the capture (the next test)
     events.clear()
-    comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="off", **options), ctx)
-    assert events == ["DDP made on the training stream"]  # off and auto: as before
+    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="off", **options), ctx)
+    assert events == ["DDP made on the training stream"] and hook.stream is None  # off and auto: as before
+
+
+def test_the_step_of_a_ddp_model_is_warmed_up_and_captured_on_the_stream_ddp_was_made_on(monkeypatch):
+    """DDP keeps its parameters' AccumulateGrad nodes, each bound to the stream current when DDP was made;
+    a capture on another stream has them run outside it (torch's stale-stream failures, Megatron-LM's fix:
+    DDP made on the capture stream). The session hands DDP's stream to the GraphedStep."""
+    made = []
+    monkeypatch.setattr(cuda_graphs, "choose", lambda *args, **kwargs: cuda_graphs.GraphChoice(True, None, 11))
+    monkeypatch.setattr(session, "GraphedStep", lambda *args, **kwargs: made.append(kwargs) or "graphed")
+    cfg = cli.parse("ddp", ["--synthetic"])
+    ctx = distributed.single_process("cpu")
+    model = small_model()
+    stream = object()  # a stand-in for DDP's side stream
+    assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
+                                 precision.FP32(), None, comm.CommHook(stream=stream)) == "graphed"
+    assert made[0]["stream"] is stream
+    assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
+                                 precision.FP32(), None) == "graphed"
+    assert made[1]["stream"] is None  # no DDP: a stream of the GraphedStep's own
 
 
 # --- the fp16 scaler's skip, on the device ---
