@@ -43,6 +43,9 @@ class CommHook:
     name: str = "none"
     state: Optional[object] = None  # a PowerSGDState for powersgd; None for the stateless hooks
     layout: Optional["_BucketLayout"] = None  # PowerSGD's: its per-bucket state kept valid when DDP rebuckets
+    # --cuda-graphs on: the side stream DDP was made on, which the step's warm-up and capture must run on too:
+    # DDP keeps its parameters' AccumulateGrad nodes, and each runs on the stream current when it was made.
+    stream: Optional[torch.cuda.Stream] = None
 
     def describe(self, bucket_cap_mb: Optional[float], static_graph: bool) -> str:
         what = {"none": "fp32 all-reduce", "fp16": "gradients all-reduced in fp16",
@@ -238,13 +241,15 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     options = fewer_copies(inspect.signature(nn.parallel.DistributedDataParallel).parameters,
                            on_gpu=ctx.device.type == "cuda")
     # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be captured.
-    on_side_stream = cfg.cuda_graphs == "on" and ctx.device.type == "cuda"
-    with torch.cuda.stream(torch.cuda.Stream(ctx.device)) if on_side_stream else contextlib.nullcontext():
+    side_stream = torch.cuda.Stream(ctx.device) if cfg.cuda_graphs == "on" and ctx.device.type == "cuda" else None
+    with torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext():
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                                   static_graph=cfg.static_graph, **size, **options)
+    if side_stream is not None:  # its constructor copied rank 0's weights in on that stream, without a wait
+        torch.cuda.current_stream(ctx.device).wait_stream(side_stream)
     if options.get("broadcast_buffers") is False:  # a torch before 2.14: that also left out the buffers' first sync
         broadcast_buffers_from_primary(model, ctx)
-    hook = CommHook(cfg.ddp_comm_hook)
+    hook = CommHook(cfg.ddp_comm_hook, stream=side_stream)
     if cfg.ddp_comm_hook in ("fp16", "bf16") and ctx.backend == "gloo":
         ddp.register_comm_hook(None, _cast_in_this_thread(cfg.ddp_comm_hook))
     elif cfg.ddp_comm_hook in ("fp16", "bf16"):

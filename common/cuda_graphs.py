@@ -153,11 +153,14 @@ class GraphedStep:
     `warmup_steps` steps, then captured by `capture_with` (CudaGraph; tests
     give a stand-in that runs on the CPU) and replayed. `warmup_steps` None:
     never captured (every step eager, the same function). `say`: the
-    primary's log, for the capture's cost."""
+    primary's log, for the capture's cost. `stream`: the side stream the
+    warm-up and capture run on (DDP's: the one it was made on); None: one
+    of its own on a GPU."""
 
     def __init__(self, model: nn.Module, criterion: nn.Module, optimizer: Optimizer, precision,
                  device: torch.device, warmup_steps: Optional[int] = WARMUP_STEPS,
-                 say: Callable[[str], None] = print, capture_with: Callable = CudaGraph):
+                 say: Callable[[str], None] = print, capture_with: Callable = CudaGraph,
+                 stream: Optional[torch.cuda.Stream] = None):
         self.model, self.criterion, self.optimizer, self.precision = model, criterion, optimizer, precision
         self.device = device
         self.warmup_steps = math.inf if warmup_steps is None else warmup_steps
@@ -165,7 +168,9 @@ class GraphedStep:
         self.capture_with = capture_with
         self.ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.lr = torch.zeros((), dtype=torch.float32, device=device)  # the rate the captured SGD reads
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # warm-up and capture
+        if stream is None and device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+        self.stream = stream  # warm-up and capture
         self.graph = None  # the captured step, for batches of `shape`
         self.shape = None
         self.static_images = self.static_target = None
@@ -262,6 +267,10 @@ class GraphedStep:
         if self._optimizer_ready:
             return
         self._optimizer_ready = True
+        # What torch's SGD(fused=True) sets itself: GradScaler.step then hands it the scale and found_inf on the
+        # device. Without it (the foreach SGD engine.sgd makes under fp16 loss scaling, made fused here) the
+        # scaler reads found_inf on the host (.item()), which a capture refuses.
+        self.optimizer._step_supports_amp_scaling = True
         for group in self.optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
             if not group["momentum"]:

@@ -1,13 +1,16 @@
 """--cuda-graphs (common/cuda_graphs.py): the captured training step's logic on the CPU, where a stand-in
 graph replays the same function over the same static buffers; on a GPU (`gpu`), the real CUDA graph against
 eager steps."""
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
 from torch import nn
 
-from common import cli, data, distributed, engine, measure, meters, precision, schedules, telemetry
+from common import (cli, comm, cuda_graphs, data, distributed, engine, measure, meters, precision, schedules, session,
+                    telemetry)
 from common.cuda_graphs import DDP_WARMUP_STEPS, WARMUP_STEPS, GraphedStep, choose
 from common.errors import UsageError
 
@@ -221,6 +224,64 @@ def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
     assert not torch.equal(model[5].weight, before)
 
 
+def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses_its_weights(monkeypatch):
+    """DDP's constructor copies rank 0's weights into every process's model on the stream current then (a
+    non-blocking copy after its broadcast): under --cuda-graphs on a side stream, which the training stream
+    (the first step, a resume's load) must wait for. Stand-in streams and DDP record the order."""
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    current = [Stream("training stream")]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    def ddp(model, **options):
+        events.append(f"DDP made on the {current[-1].name}")
+        return model
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side stream"))
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(nn.parallel, "DistributedDataParallel", ddp)
+    ctx = distributed.Context(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1), backend="nccl")
+    options = dict(ddp_comm_hook="none", bucket_cap_mb=None, static_graph=True)
+    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="on", **options), ctx)
+    assert events == ["DDP made on the side stream", "training stream waits for side stream"]
+    assert hook.stream.name == "side stream"  # for the warm-up and the capture (the next test)
+    events.clear()
+    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="off", **options), ctx)
+    assert events == ["DDP made on the training stream"] and hook.stream is None  # off and auto: as before
+
+
+def test_the_step_of_a_ddp_model_is_warmed_up_and_captured_on_the_stream_ddp_was_made_on(monkeypatch):
+    """DDP keeps its parameters' AccumulateGrad nodes, each bound to the stream current when DDP was made;
+    a capture on another stream has them run outside it (torch's stale-stream failures, Megatron-LM's fix:
+    DDP made on the capture stream). The session hands DDP's stream to the GraphedStep."""
+    made = []
+    monkeypatch.setattr(cuda_graphs, "choose", lambda *args, **kwargs: cuda_graphs.GraphChoice(True, None, 11))
+    monkeypatch.setattr(session, "GraphedStep", lambda *args, **kwargs: made.append(kwargs) or "graphed")
+    cfg = cli.parse("ddp", ["--synthetic"])
+    ctx = distributed.single_process("cpu")
+    model = small_model()
+    stream = object()  # a stand-in for DDP's side stream
+    assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
+                                 precision.FP32(), None, comm.CommHook(stream=stream)) == "graphed"
+    assert made[0]["stream"] is stream
+    assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
+                                 precision.FP32(), None) == "graphed"
+    assert made[1]["stream"] is None  # no DDP: a stream of the GraphedStep's own
+
+
 # --- the fp16 scaler's skip, on the device ---
 
 def fp16_on_cpu():
@@ -332,6 +393,29 @@ def test_the_graphable_step_reads_nothing_back_to_the_host(policy, host_reads_ra
     graphed.body(sample.image, sample.target)
     graphed.body(sample.image, sample.target)
     assert not torch.equal(model[5].weight.detach(), before)
+
+
+def test_the_scripts_fp16_sgd_made_fused_skips_on_the_device_without_a_host_read(host_reads_raise):
+    """The SGD a script makes under fp16 loss scaling (engine.sgd: foreach, as on a GPU) is what the captured
+    step gets: made fused, the GradScaler must hand it the skip on the device, as it does torch's fused SGD,
+    not read found_inf on the host (which a capture refuses). An overflowing step is still skipped."""
+    model = small_model()
+    optimizer = engine.sgd(model, 0.1, 0.9, 1e-4, loss_scaling=True)
+    assert optimizer.param_groups[0]["foreach"] and not optimizer.param_groups[0]["fused"]
+    policy = fp16_on_cpu()
+    graphed = GraphedStep(model, nn.CrossEntropyLoss(), optimizer, policy, torch.device("cpu"), None,
+                          say=lambda line: None)
+    sample = batch(0)
+    graphed(sample.image, sample.target, 0.1)  # the scaler's first use makes its tensors
+    weights = [parameter.detach().clone() for parameter in model.parameters()]
+    policy.scaler._scale.fill_(OVERFLOWING_SCALE)
+    host_reads_raise()
+    graphed.body(sample.image, sample.target)
+    for parameter, weight in zip(model.parameters(), weights):
+        assert torch.equal(parameter.detach(), weight)
+    policy.scaler._scale.fill_(1024.0)  # a scale that fits: this step is taken
+    graphed.body(sample.image, sample.target)
+    assert not torch.equal(model[5].weight.detach(), weights[-2])
 
 
 def test_the_eager_fp16_step_with_foreach_sgd_reads_the_skip_on_the_host(host_reads_raise):
