@@ -219,9 +219,8 @@ class DaliDecoder:
                     yield waiting.popleft()
             while waiting:
                 yield waiting.popleft()
-        finally:
-            if any(sample.image is batch for sample in waiting for batch in self._in_flight):
-                self.discard()
+        finally:  # its own batches only: another pass's, fed meanwhile, stay in flight
+            self.drop([sample.image for sample in waiting])
 
     def submit(self, batch: EncodedBatch) -> None:
         """Feed `batch`'s JPEGs to DALI and schedule their decode, after the
@@ -233,8 +232,15 @@ class DaliDecoder:
 
     def discard(self) -> None:
         """Forget the batches in flight, and the pipeline that holds them."""
-        if self._in_flight:
-            self._in_flight.clear()
+        self.drop(list(self._in_flight))
+
+    def drop(self, batches: List[EncodedBatch]) -> None:
+        """Forget those of `batches` that are in flight (fed for a pass that
+        was left), and the pipeline that holds them: a new one is fed the
+        others again, in their order."""
+        kept = [fed for fed in self._in_flight if not any(fed is batch for batch in batches)]
+        if len(kept) < len(self._in_flight):
+            self._in_flight = collections.deque(kept)
             self.end_threads()
 
     def _schedule_in_flight(self) -> None:
@@ -251,8 +257,13 @@ class DaliDecoder:
         flipped, as N x 3 x S x S uint8 on the device, channels-last in memory:
         the images of the batch first in flight (ahead), or of `batch` fed now."""
         if not (self._in_flight and self._in_flight[0] is batch):
-            self.discard()  # fed ahead for an iteration that was left: not what is asked for now
-            self._in_flight.append(batch)
+            # Those fed before it were fed for a pass that was left: dropped. Only those: the ones this pass
+            # fed after it stay in flight (dropping them too would leave each of its later batches missing
+            # in turn, every one fed twice and a pipeline built for each).
+            position = next((index for index, fed in enumerate(self._in_flight) if fed is batch), None)
+            self.drop(list(self._in_flight)[:position])  # position None (not fed ahead): all of them
+            if position is None:
+                self._in_flight.append(batch)
         if self._pipeline is None:
             self._pipeline = self._built()
         try:
