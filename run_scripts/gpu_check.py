@@ -552,6 +552,9 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
          show: Callable[[str], None] = functools.partial(print, flush=True)) -> int:
     """Exit status: 0 no part failed, 1 one did; a UsageError for main's caller to print."""
     args = build_parser().parse_args(argv)
+    # From here, not after torch is imported and CUDA starts to name the GPU (seconds, more on a cold machine):
+    # the device tool's timeout_s counts them too.
+    clock = Clock(args.seconds, args.dry_run)
     names = list(dict.fromkeys(args.parts or PARTS))
     gpu = gpu_name()
     if gpu is None and not args.dry_run:
@@ -563,7 +566,6 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     settings = Settings(sys.executable, out, REPO / "results" / "runs" / f"gpu-{date}",
                         REPO / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"),
                         has_cuda_graphs_flag())
-    clock = Clock(args.seconds, args.dry_run)
     parts = build_parts(names, settings, clock.wall_deadline)
     show(f"gpu_check: {'dry run, ' if args.dry_run else ''}{gpu or 'no GPU'}; deadline {args.seconds} s, "
          f"{RESERVE_SECONDS} s of it kept for the summary; output: {out}")

@@ -246,6 +246,24 @@ def test_a_real_run_writes_env_and_the_summary_and_fails_with_a_failed_part(tmp_
     assert [row[:2] for row in rows] == [("env", "ran"), ("tests", "failed (exit 1)"), ("graphs", "skipped")]
 
 
+def test_the_deadline_counts_the_time_torch_takes_to_find_the_gpu(tmp_path, monkeypatch):
+    """The device tool's timeout_s counts from the command's start: so does --seconds, the seconds that
+    importing torch and starting CUDA take on a cold machine (to name the GPU) included."""
+    now, real_clock, ran = [1000.0], gpu_check.Clock, []
+    monkeypatch.setattr(gpu_check, "Clock", lambda seconds, dry_run: real_clock(seconds, dry_run, now=lambda: now[0]))
+    monkeypatch.setattr(gpu_check, "run_command", lambda command, env, log, timeout: ran.append(command[0]) or 0)
+
+    def slow_gpu_name():
+        now[0] += 100.0
+        return H100
+
+    lines = []
+    assert gpu_check.main(["--out", str(tmp_path), "--seconds", "200", "tests"], gpu_name=slow_gpu_name,
+                          show=lines.append) == 0
+    assert "tests needs at least 90 s, 80 s left" in (tmp_path / "summary-tests.txt").read_text()
+    assert sys.executable in ran and "-m" not in ran and ran.count("nvidia-smi") == 3  # env's commands alone
+
+
 def test_env_txt_dates_the_profiles_in_results(tmp_path):
     """results_summary reads the GPU and the date of a profile from the env.txt beside it."""
     moment = datetime.datetime(2026, 11, 28, 13, 5, 9, tzinfo=datetime.timezone.utc)
