@@ -35,6 +35,7 @@ import csv
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import os
 import re
 import shlex
@@ -194,8 +195,21 @@ def bench_part(settings: Settings) -> Part:
                                after=lambda: last_line(settings.out / "bench.log")),))
 
 
+def dali_missing() -> str:
+    """Why the interpreter that runs the parts has no DALI ('' when it has one): the device tool's GPU image has
+    none, and the decode part would then spend its time on JPEGs for rows that say so."""
+    try:
+        found = importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):  # no `nvidia` package at all; a broken one
+        found = False
+    return "" if found else f"NVIDIA DALI is not installed for {sys.executable} (requirements-dali.txt)"
+
+
 def decode_part(settings: Settings) -> Part:
     """DALI's decoders alone (whole files and the training's crops): what bounds the end-to-end dali row."""
+    missing = dali_missing()
+    if missing:
+        return Part("decode", (), unavailable=missing)
     command = (settings.python, *DECODE_FLAGS, "--csv", str(settings.out / "bench-decode.csv"))
     # 90 s and 40 s: guesses (3 processes, 6 pipelines of 40 batches of 256 each, the JPEGs made); not timed yet.
     return Part("decode", (Step("decode", (command,), "bench-decode.log", 90, 40,

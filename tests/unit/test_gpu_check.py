@@ -142,6 +142,18 @@ def test_graphs_and_profile_pair_eager_and_graphed_only_where_the_flag_exists(tm
         "eager --cuda-graphs off", "graphs --cuda-graphs on"]
 
 
+def test_the_decode_part_is_skipped_at_once_where_dali_is_not_installed(tmp_path, monkeypatch):
+    """The device tool's GPU image has no DALI: the decode part says so and leaves its time to the matrix."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name.startswith("nvidia") else real_find_spec(name, *rest))
+    status, lines, summary = dry_run(tmp_path, "--seconds", "500", "decode", "matrix", monkeypatch=monkeypatch)
+    assert status == 0 and table_rows(summary) == [("env", "would run", 5), ("decode", "skipped", 0),
+                                                   ("matrix", "would run", 420)]
+    assert summary.read_text().splitlines()[-1] == (f"skipped: decode (NVIDIA DALI is not installed for "
+                                                    f"{sys.executable} (requirements-dali.txt))")
+
+
 def test_the_scripts_flag_is_looked_up_in_their_parser():
     from common import flags
 
