@@ -27,6 +27,7 @@ repository's: `tar -xzf gpu-check-*.tar.gz` at the repository's root puts every 
 
 Exit status: 0 when no part failed (skipped ones included), 1 when one did, 2 for a mistake in the
 command line or no CUDA GPU (one line). torch is imported only to find the GPU; a dry run needs none.
+One module: what a GPU session's call runs and brings back, read in one place before device time is spent.
 """
 from __future__ import annotations
 
