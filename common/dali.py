@@ -143,7 +143,8 @@ class DaliDecoder:
     H200 (2026-11-26, bench end-to-end, ResNet-50 O2) libjpeg's way gave
     2,273 images/s (median of 2) and the default 3,298 (one run), which is
     what keeping the hardware JPEG engines out would cost. Pixels then differ
-    from the CPU decoders' at colour edges; the crops' geometry does not."""
+    from the CPU decoders' at colour edges; the crops' geometry does not.
+    One class: the pipeline, the batches in flight and those it holds change together."""
 
     def __init__(self, device: torch.device, max_batch: int, threads: int, libjpeg_chroma: bool = False,
                  ahead: int = AHEAD_BATCHES):
@@ -219,9 +220,8 @@ class DaliDecoder:
                     yield waiting.popleft()
             while waiting:
                 yield waiting.popleft()
-        finally:
-            if any(sample.image is batch for sample in waiting for batch in self._in_flight):
-                self.discard()
+        finally:  # its own batches only: another pass's, fed meanwhile, stay in flight
+            self.drop([sample.image for sample in waiting])
 
     def submit(self, batch: EncodedBatch) -> None:
         """Feed `batch`'s JPEGs to DALI and schedule their decode, after the
@@ -231,10 +231,11 @@ class DaliDecoder:
             self._pipeline = self._built()
         self._schedule_in_flight()
 
-    def discard(self) -> None:
-        """Forget the batches in flight, and the pipeline that holds them."""
-        if self._in_flight:
-            self._in_flight.clear()
+    def drop(self, batches: List[EncodedBatch]) -> None:
+        """Forget those of `batches` in flight, and the pipeline that holds them (a new one is fed the rest)."""
+        kept = [fed for fed in self._in_flight if not any(fed is batch for batch in batches)]
+        if len(kept) < len(self._in_flight):
+            self._in_flight = collections.deque(kept)
             self.end_threads()
 
     def _schedule_in_flight(self) -> None:
@@ -251,8 +252,12 @@ class DaliDecoder:
         flipped, as N x 3 x S x S uint8 on the device, channels-last in memory:
         the images of the batch first in flight (ahead), or of `batch` fed now."""
         if not (self._in_flight and self._in_flight[0] is batch):
-            self.discard()  # fed ahead for an iteration that was left: not what is asked for now
-            self._in_flight.append(batch)
+            # Those fed before it, for a pass that was left, go; those after it stay (else each later batch of
+            # this pass would be missing in turn: fed twice, a pipeline built for each). Not fed ahead: all go.
+            position = next((index for index, fed in enumerate(self._in_flight) if fed is batch), None)
+            self.drop(list(self._in_flight)[:position])
+            if position is None:
+                self._in_flight.append(batch)
         if self._pipeline is None:
             self._pipeline = self._built()
         try:
@@ -266,7 +271,7 @@ class DaliDecoder:
             self.end_threads()  # the batches after this one are fed again to the next pipeline
             self.refused_in_a_row += 1
             if self.refused_in_a_row >= MAX_REFUSED_IN_A_ROW:
-                self.discard()
+                self.drop(list(self._in_flight))
                 raise DaliFailing(f"argument --data-backend: DALI refused {self.refused_in_a_row} batches in a row "
                                   f"(the last: {error_summary(error, limit=200)}): its decoder does not work here; "
                                   f"use --data-backend torchvision") from None

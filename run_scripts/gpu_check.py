@@ -27,6 +27,7 @@ repository's: `tar -xzf gpu-check-*.tar.gz` at the repository's root puts every 
 
 Exit status: 0 when no part failed (skipped ones included), 1 when one did, 2 for a mistake in the
 command line or no CUDA GPU (one line). torch is imported only to find the GPU; a dry run needs none.
+One module: what a GPU session's call runs and brings back, read in one place before device time is spent.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import csv
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import os
 import re
 import shlex
@@ -194,8 +196,21 @@ def bench_part(settings: Settings) -> Part:
                                after=lambda: last_line(settings.out / "bench.log")),))
 
 
+def dali_missing() -> str:
+    """Why the interpreter that runs the parts has no DALI ('' when it has one): the device tool's GPU image has
+    none, and the decode part would then spend its time on JPEGs for rows that say so."""
+    try:
+        found = importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):  # no `nvidia` package at all; a broken one
+        found = False
+    return "" if found else f"NVIDIA DALI is not installed for {sys.executable} (requirements-dali.txt)"
+
+
 def decode_part(settings: Settings) -> Part:
     """DALI's decoders alone (whole files and the training's crops): what bounds the end-to-end dali row."""
+    missing = dali_missing()
+    if missing:
+        return Part("decode", (), unavailable=missing)
     command = (settings.python, *DECODE_FLAGS, "--csv", str(settings.out / "bench-decode.csv"))
     # 90 s and 40 s: guesses (3 processes, 6 pipelines of 40 batches of 256 each, the JPEGs made); not timed yet.
     return Part("decode", (Step("decode", (command,), "bench-decode.log", 90, 40,
@@ -552,6 +567,9 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
          show: Callable[[str], None] = functools.partial(print, flush=True)) -> int:
     """Exit status: 0 no part failed, 1 one did; a UsageError for main's caller to print."""
     args = build_parser().parse_args(argv)
+    # From here, not after torch is imported and CUDA starts to name the GPU (seconds, more on a cold machine):
+    # the device tool's timeout_s counts them too.
+    clock = Clock(args.seconds, args.dry_run)
     names = list(dict.fromkeys(args.parts or PARTS))
     gpu = gpu_name()
     if gpu is None and not args.dry_run:
@@ -563,7 +581,6 @@ def main(argv: Optional[Sequence[str]] = None, gpu_name: Callable[[], Optional[s
     settings = Settings(sys.executable, out, REPO / "results" / "runs" / f"gpu-{date}",
                         REPO / "runs" / "gpu-check" / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"),
                         has_cuda_graphs_flag())
-    clock = Clock(args.seconds, args.dry_run)
     parts = build_parts(names, settings, clock.wall_deadline)
     show(f"gpu_check: {'dry run, ' if args.dry_run else ''}{gpu or 'no GPU'}; deadline {args.seconds} s, "
          f"{RESERVE_SECONDS} s of it kept for the summary; output: {out}")

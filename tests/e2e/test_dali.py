@@ -244,6 +244,42 @@ def test_no_dali_thread_outlives_a_pass_left_early_nor_runs_at_a_fork(tmp_path, 
     assert threads_at_fork == [[], [], [], []]  # -j 1: one worker for each of the four passes
 
 
+@needs_dali
+def test_a_pass_after_one_left_open_feeds_each_of_its_batches_once_more_at_most(tmp_path):
+    """Batches a pass left in flight (its iterator not closed yet) are
+    dropped when the next pass takes its first batch, but only they: that
+    pass's own batches fed ahead stay in flight, so it is not left feeding
+    every later batch twice (building a pipeline for each). And the pass
+    left open, closed while another runs, drops only its own."""
+    root = numbered_tree(tmp_path / "numbered")
+    loaders = loaders_for(root, "dali", rank=0, world_size=1)
+    decoder = loaders.dali
+    loaders.set_epoch(0)
+    held = decoder.ahead(loaders.batches("train"))
+    next(held).image.decode(torch.device("cpu"), decoder)
+    assert decoder.batches_in_flight == 1, "nothing left in flight: nothing checked here"
+    fed_before = decoder.batches_fed
+    loaders.set_epoch(0)
+    train = [number for images, _ in _decoded(decoder, loaders.batches("train")) for number in image_numbers(images)]
+    assert train == list(loaders.train.sampler) and len(train) == 30
+    # 10 batches; the held one fed again to the pipeline built after the fork, and batches 1 and 2 fed again
+    # to the one built once it was dropped (the next pass at depth 2 has fed them by then).
+    assert decoder.batches_fed - fed_before == 10 + 1 + 2 and decoder.batches_in_flight == 0
+    held.close()
+    held = decoder.ahead(loaders.batches("train"))
+    next(held).image.decode(torch.device("cpu"), decoder)
+    fed_before = decoder.batches_fed
+    running = decoder.ahead(loaders.batches("val"))
+    first = next(running)  # validation's batches 1 and 2 fed after the held pass's batch
+    assert decoder.batches_in_flight == 3
+    held.close()  # drops its own batch: validation's two are fed again to a new pipeline, and kept
+    val = [first.image.decode(torch.device("cpu"), decoder)] + [
+        sample.image.decode(torch.device("cpu"), decoder) for sample in running]
+    assert [number for images in val for number in image_numbers(images)] == list(range(9))
+    # 3 batches; the held one fed again after the fork, validation's first two fed again after it was dropped.
+    assert decoder.batches_fed - fed_before == 3 + 1 + 2 and decoder.batches_in_flight == 0
+
+
 def _decoded(decoder, batches):
     for batch in decoder.ahead(batches):
         yield batch.image.decode(torch.device("cpu"), decoder), batch

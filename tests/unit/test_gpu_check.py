@@ -142,6 +142,18 @@ def test_graphs_and_profile_pair_eager_and_graphed_only_where_the_flag_exists(tm
         "eager --cuda-graphs off", "graphs --cuda-graphs on"]
 
 
+def test_the_decode_part_is_skipped_at_once_where_dali_is_not_installed(tmp_path, monkeypatch):
+    """The device tool's GPU image has no DALI: the decode part says so and leaves its time to the matrix."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name.startswith("nvidia") else real_find_spec(name, *rest))
+    status, lines, summary = dry_run(tmp_path, "--seconds", "500", "decode", "matrix", monkeypatch=monkeypatch)
+    assert status == 0 and table_rows(summary) == [("env", "would run", 5), ("decode", "skipped", 0),
+                                                   ("matrix", "would run", 420)]
+    assert summary.read_text().splitlines()[-1] == (f"skipped: decode (NVIDIA DALI is not installed for "
+                                                    f"{sys.executable} (requirements-dali.txt))")
+
+
 def test_the_scripts_flag_is_looked_up_in_their_parser():
     from common import flags
 
@@ -244,6 +256,24 @@ def test_a_real_run_writes_env_and_the_summary_and_fails_with_a_failed_part(tmp_
     assert env[1:] == ["$ " + shlex.join([sys.executable, "-c", "print('NVIDIA-SMI')"]), "NVIDIA-SMI"]
     rows = table_rows(tmp_path / "summary-tests-graphs.txt")
     assert [row[:2] for row in rows] == [("env", "ran"), ("tests", "failed (exit 1)"), ("graphs", "skipped")]
+
+
+def test_the_deadline_counts_the_time_torch_takes_to_find_the_gpu(tmp_path, monkeypatch):
+    """The device tool's timeout_s counts from the command's start: so does --seconds, the seconds that
+    importing torch and starting CUDA take on a cold machine (to name the GPU) included."""
+    now, real_clock, ran = [1000.0], gpu_check.Clock, []
+    monkeypatch.setattr(gpu_check, "Clock", lambda seconds, dry_run: real_clock(seconds, dry_run, now=lambda: now[0]))
+    monkeypatch.setattr(gpu_check, "run_command", lambda command, env, log, timeout: ran.append(command[0]) or 0)
+
+    def slow_gpu_name():
+        now[0] += 100.0
+        return H100
+
+    lines = []
+    assert gpu_check.main(["--out", str(tmp_path), "--seconds", "200", "tests"], gpu_name=slow_gpu_name,
+                          show=lines.append) == 0
+    assert "tests needs at least 90 s, 80 s left" in (tmp_path / "summary-tests.txt").read_text()
+    assert sys.executable in ran and "-m" not in ran and ran.count("nvidia-smi") == 3  # env's commands alone
 
 
 def test_env_txt_dates_the_profiles_in_results(tmp_path):
