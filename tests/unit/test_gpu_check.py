@@ -20,10 +20,11 @@ import pytest
 from common.tools import results_summary
 from helpers import REPO, running
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "run_scripts" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-sys.modules.setdefault("gpu_check", gpu_check)  # dataclasses look their module up there
-spec.loader.exec_module(gpu_check)
+# As `python3 run_scripts/gpu_check.py` finds its products' module: run_scripts/ first on sys.path, not a package.
+if str(REPO / "run_scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "run_scripts"))
+import gpu_check  # noqa: E402
+import gpu_check_outputs  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 MATRIX_RUNS = ["nd", "dp", "ddp", "apex-O0", "apex-O1-fp16", "apex-O2-fp16", "apex-O3-fp16", "apex-O1-bf16",
@@ -279,8 +280,8 @@ def test_the_deadline_counts_the_time_torch_takes_to_find_the_gpu(tmp_path, monk
 def test_env_txt_dates_the_profiles_in_results(tmp_path):
     """results_summary reads the GPU and the date of a profile from the env.txt beside it."""
     moment = datetime.datetime(2026, 11, 28, 13, 5, 9, tzinfo=datetime.timezone.utc)
-    assert gpu_check.session_date(moment) == "Sat Nov 28 01:05:09 PM UTC 2026"
-    (tmp_path / "env.txt").write_text(gpu_check.session_date(moment) + "\n$ nvidia-smi\n"
+    assert gpu_check_outputs.session_date(moment) == "Sat Nov 28 01:05:09 PM UTC 2026"
+    (tmp_path / "env.txt").write_text(gpu_check_outputs.session_date(moment) + "\n$ nvidia-smi\n"
                                       "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:00:06.0 Off |\n")
     (tmp_path / "profile-resnet50-b256-default-summary.txt").write_text(
         "10 step(s) profiled: 41.5 ms per step; the GPU ran no kernel or copy 8.2% of that time\n")
@@ -302,13 +303,13 @@ def make_run_dir(root: Path) -> Path:
     os.link(run / "checkpoint-epoch007-images00011264.pth.tar", run / "checkpoint.pth.tar")
     os.link(run / "checkpoint-epoch007-images00011264.pth.tar", run / "model_best.pth.tar")
     with open(run / "confusion_matrix.npy", "wb") as handle:
-        handle.truncate(gpu_check.MAX_COPIED_FILE_BYTES + 1)
+        handle.truncate(gpu_check_outputs.MAX_COPIED_FILE_BYTES + 1)
     return run
 
 
 def test_run_directories_are_copied_without_checkpoints(tmp_path):
     make_run_dir(tmp_path / "scratch")
-    runs, left = gpu_check.copy_run_logs(tmp_path / "scratch", tmp_path / "copy")
+    runs, left = gpu_check_outputs.copy_run_logs(tmp_path / "scratch", tmp_path / "copy")
     copied = sorted(path.relative_to(tmp_path / "copy").as_posix() for path in (tmp_path / "copy").rglob("*")
                     if path.is_file())
     assert runs == ["apex-O2-bf16"]
@@ -319,14 +320,14 @@ def test_run_directories_are_copied_without_checkpoints(tmp_path):
         "checkpoint-epoch007-images00011264.pth.tar", "checkpoint.pth.tar", "confusion_matrix.npy",
         "model_best.pth.tar", "profile-x/trace.json", "run.lock")]
     assert (tmp_path / "copy" / "apex-O2-bf16" / "metrics.csv").read_text() == "metrics.csv"
-    assert gpu_check.copy_note((runs, left)) == "1 run directory copied, 6 file(s) left behind"
-    assert gpu_check.copy_run_logs(tmp_path / "none", tmp_path / "copy2") == ([], [])
+    assert gpu_check_outputs.copy_note((runs, left)) == "1 run directory copied, 6 file(s) left behind"
+    assert gpu_check_outputs.copy_run_logs(tmp_path / "none", tmp_path / "copy2") == ([], [])
 
 
 def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
     out, runs_copy = tmp_path / "out", tmp_path / "results" / "runs" / "gpu-2026-11-28"
     make_run_dir(tmp_path / "scratch")
-    gpu_check.copy_run_logs(tmp_path / "scratch", runs_copy)
+    gpu_check_outputs.copy_run_logs(tmp_path / "scratch", runs_copy)
     out.mkdir()
     names = ["env.txt", "tests.log", "profile.log", "graphs.log", "graphs.csv", "bench.log", "bench.csv",
              "profile-resnet50-b256-default-summary.txt", "profile-resnet50-b256-eager-summary.txt"]
@@ -334,7 +335,7 @@ def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
         (out / name).write_text(name)
     summary = out / "summary-tests-bench.txt"
     summary.write_text("summary")
-    archive = gpu_check.pack(out, summary, runs_copy, "gpu-h100-2026-11-28")
+    archive = gpu_check_outputs.pack(out, summary, runs_copy, "gpu-h100-2026-11-28")
     assert archive.name == "gpu-check-tests-bench.tar.gz"
     assert sorted(out.iterdir()) == [archive, summary]  # within the device tool's 8 files
     with tarfile.open(archive) as tar:
@@ -354,25 +355,25 @@ def test_graphs_rows_and_their_medians(tmp_path):
         (run_dir / "metrics.csv").write_text(
             "epoch,split,images_per_second,peak_memory_mib\n"
             f"0,train,{rate},20480\n0,val,9000.0,4096\n")
-        assert gpu_check.add_throughput_row(table, run_dir, mode, repeat) == \
+        assert gpu_check_outputs.add_throughput_row(table, run_dir, mode, repeat) == \
             f"--cuda-graphs {mode}: {rate:,.0f} images/s"
     with open(table, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(row["cuda_graphs"], row["images_per_second"], row["peak_memory_mib"]) for row in rows[:2]] == [
         ("off", "4100.0", "20480"), ("on", "5900.0", "20480")]
-    assert gpu_check.graphs_note(table) == ("--cuda-graphs off: median 4,200 images/s of 3; "
+    assert gpu_check_outputs.graphs_note(table) == ("--cuda-graphs off: median 4,200 images/s of 3; "
                                             "--cuda-graphs on: median 5,900 images/s of 3; on/off 1.405")
-    assert gpu_check.add_throughput_row(table, tmp_path / "missing", "on", 4).startswith("no training row in ")
+    assert gpu_check_outputs.add_throughput_row(table, tmp_path / "missing", "on", 4).startswith("no training row in ")
 
 
 def test_a_profile_summary_is_copied_under_its_variants_name(tmp_path):
     (tmp_path / "run" / "profile-20261128").mkdir(parents=True)
     (tmp_path / "run" / "profile-20261128" / "summary.txt").write_text("10 step(s) profiled: 41.5 ms per step\nrest\n")
     target = tmp_path / "profile-resnet50-b256-eager-summary.txt"
-    assert gpu_check.copy_profile(tmp_path / "run", target) == \
+    assert gpu_check_outputs.copy_profile(tmp_path / "run", target) == \
         "profile-resnet50-b256-eager-summary.txt: 10 step(s) profiled: 41.5 ms per step"
     assert target.read_text().startswith("10 step(s) profiled")
-    assert gpu_check.copy_profile(tmp_path / "none", target).startswith("no profile summary in ")
+    assert gpu_check_outputs.copy_profile(tmp_path / "none", target).startswith("no profile summary in ")
 
 
 # --- gpu_demo_matrix.sh's deadline ---
