@@ -26,7 +26,8 @@ back 8 files at most) leaves only that summary and one archive there, whose path
 repository's: `tar -xzf gpu-check-*.tar.gz` at the repository's root puts every file in its place.
 
 Exit status: 0 when no part failed (skipped ones included), 1 when one did, 2 for a mistake in the
-command line or no CUDA GPU (one line). torch is imported only to find the GPU; a dry run needs none.
+command line, no CUDA GPU or no torch (one line). torch is imported only to find the GPU; a dry run
+needs no GPU, but torch (the scripts' parser lists torchvision's models).
 What it brings back (the copies, tables, summary and archive) is gpu_check_outputs.py's.
 """
 from __future__ import annotations
@@ -415,9 +416,13 @@ def gpu_kind(name: str) -> str:
 
 
 def visible_gpu() -> Optional[str]:
-    """The first CUDA GPU's name, or None where torch sees none."""
-    import torch
-
+    """The first CUDA GPU's name, or None where torch sees none; a UsageError where there is no torch (a dry run
+    too: the scripts' parser, which has_cuda_graphs_flag reads, lists torchvision's models)."""
+    try:
+        import torch
+    except ImportError:  # gpu_check.sh's python3 where there is no .venv: one line, not a traceback
+        raise UsageError(f"torch is not installed for {sys.executable} (gpu_check.sh: set PYTHON to a python "
+                         f"that has it)") from None
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 

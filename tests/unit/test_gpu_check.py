@@ -176,6 +176,17 @@ def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
     assert not (REPO / "results" / f"gpu-unknown-{today}").exists()  # nothing written
 
 
+def test_without_torch_a_run_and_a_dry_run_are_one_line(tmp_path, monkeypatch):
+    """gpu_check.sh's python3 where there is no .venv may have no torch: one line, before anything is written."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    for dry_run in ([], ["--dry-run"]):
+        with pytest.raises(gpu_check.UsageError) as raised:
+            gpu_check.main([*dry_run, "--out", str(tmp_path / "out")], show=lambda line: None)
+        assert str(raised.value) == \
+            f"torch is not installed for {sys.executable} (gpu_check.sh: set PYTHON to a python that has it)"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["benchmark"], "argument PART: unknown part 'benchmark' (choose from tests, profile, graphs, bench, decode, matrix)"),
     (["--seconds", "0"], "argument --seconds: expected whole seconds from 1 to 86400, got '0'"),
