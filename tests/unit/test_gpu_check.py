@@ -113,8 +113,8 @@ def test_the_dry_run_prints_each_steps_exact_command(tmp_path, monkeypatch):
                              "end-to-end", "--configs", "'ddp_apex", "O2", "channels_last'", "--repeats", "3",
                              "--csv", str(tmp_path.resolve() / "bench.csv")]
     matrix = next(lines[index + 1] for index, line in enumerate(lines) if "] matrix:" in line).split()
-    assert matrix[0] == f"PYTHON={python}" and matrix[-4:] == ["RUN_SECONDS=40", "MATRIX_DEADLINE=<deadline>",
-                                                               "bash", "run_scripts/gpu_demo_matrix.sh"]
+    assert matrix[0] == f"PYTHON={python}" and matrix[-5:] == [
+        "RUN_SECONDS=40", "FIRST_RUN_SECONDS=60", "MATRIX_DEADLINE=<deadline>", "bash", "run_scripts/gpu_demo_matrix.sh"]
 
 
 def test_the_tests_part_collects_only_the_files_that_mark_gpu_tests(tmp_path, monkeypatch):
@@ -406,9 +406,32 @@ def test_the_matrix_starts_no_run_past_its_deadline(tmp_path):
     assert "==" not in result.stdout
 
 
+def run_matrix(tmp_path, seconds_left: int, **variables) -> subprocess.CompletedProcess:
+    """gpu_demo_matrix.sh with the stand-in PYTHON and MATRIX_DEADLINE `seconds_left` from now."""
+    deadline = int(datetime.datetime.now(datetime.timezone.utc).timestamp()) + seconds_left
+    return subprocess.run(["bash", REPO / "run_scripts" / "gpu_demo_matrix.sh"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=str(fake_python(tmp_path)), LOGDIR=str(tmp_path / "runs"),
+                                   MATRIX_DEADLINE=str(deadline), **variables), timeout=60)
+
+
+def test_the_matrixs_first_run_starts_only_with_its_own_allowance_left(tmp_path):
+    """The first run also writes the digits and starts CUDA cold: FIRST_RUN_SECONDS (default 60) must fit before
+    the deadline, not only RUN_SECONDS, or no run starts; once it fits, every run does (the stand-ins end at once).
+    The margins are minutes, so a slow machine's seconds change nothing."""
+    for seconds_left, variables in ((300, {"RUN_SECONDS": "40", "FIRST_RUN_SECONDS": "900"}),
+                                    (50, {"RUN_SECONDS": "40"})):  # the default's 60 s do not fit in 50
+        result = run_matrix(tmp_path, seconds_left, **variables)
+        assert result.returncode == 75, (result.stdout, result.stderr)
+        assert result.stdout.splitlines() == [f"not run before the deadline: {' '.join(MATRIX_RUNS)}"]
+    result = run_matrix(tmp_path, 300, RUN_SECONDS="40", FIRST_RUN_SECONDS="200")
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == [f"== {name}" for name in MATRIX_RUNS]
+
+
 def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp_path, monkeypatch):
-    """The matrix part as on a GPU: gpu_demo_matrix.sh gets PYTHON, LOGDIR and the deadline, and starts
-    no run when a run's seconds exceed what is left (75: stopped, not failed); the archive holds its log."""
+    """The matrix part as on a GPU: gpu_demo_matrix.sh gets PYTHON, LOGDIR, both allowances and the deadline;
+    with a run's seconds past what is left, it starts the first run alone, on its own allowance, and lists the
+    others as not run (75: stopped, not failed); the archive holds its log."""
     monkeypatch.setattr(sys, "executable", str(fake_python(tmp_path)))  # the interpreter of every step
     monkeypatch.setattr(gpu_check, "MATRIX_RUN_SECONDS", 10 ** 6)
     monkeypatch.setattr(gpu_check, "env_step", lambda settings: fake_step("env", "", log="env.txt"))
@@ -420,14 +443,15 @@ def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp
     assert sorted(path.name for path in out.iterdir()) == ["gpu-check-matrix.tar.gz", summary.name]
     lines = summary.read_text().splitlines()
     assert lines[4].startswith("matrix    stopped at the deadline ") and lines[4].endswith(
-        f"not run before the deadline: {' '.join(MATRIX_RUNS)}; 0 run directories copied, 0 file(s) left behind")
+        f"not run before the deadline: {' '.join(MATRIX_RUNS[1:])}; 0 run directories copied, 0 file(s) left behind")
     with tarfile.open(out / "gpu-check-matrix.tar.gz") as tar:
         today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         log = tar.extractfile(f"results/gpu-h100-{today}/matrix.log").read().decode()
-    assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n")
+    assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n== nd: imagenet_nd.py \n")
+    assert log.count("== ") == 1
 
 
-@pytest.mark.parametrize("variable", ["MATRIX_DEADLINE", "RUN_SECONDS"])
+@pytest.mark.parametrize("variable", ["MATRIX_DEADLINE", "RUN_SECONDS", "FIRST_RUN_SECONDS"])
 def test_the_matrix_takes_only_whole_seconds(tmp_path, variable):
     marker = tmp_path / "ran"
     result = subprocess.run(["bash", REPO / "run_scripts" / "gpu_demo_matrix.sh"], capture_output=True, text=True,
