@@ -47,7 +47,10 @@ import time
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
-# run_scripts/ is sys.path[0] when this file is run, as gpu_check.sh and the device tool do; not a package.
+# run_scripts/ is no package: its sibling is found on sys.path, whose first entry is this folder when the file is
+# run (gpu_check.sh, the device tool), unless python -P or PYTHONSAFEPATH leave it out.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_outputs import (MAX_TRANSFER_FILES, Outcome, add_throughput_row, copy_note, copy_profile,
                                copy_run_logs, graphs_note, last_line, pack, session_date, summary_text)
 

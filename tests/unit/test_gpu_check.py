@@ -164,6 +164,16 @@ def test_the_scripts_flag_is_looked_up_in_their_parser():
 
 # --- mistakes and no GPU ---
 
+def test_the_script_finds_its_outputs_module_from_any_folder(tmp_path):
+    """run_scripts/ is no package: started from another folder, with python's safe path on (-P: no script folder
+    first on sys.path), gpu_check.py still imports gpu_check_outputs.py beside it."""
+    result = subprocess.run([sys.executable, REPO / "run_scripts" / "gpu_check.py", "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONSAFEPATH="1"), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: gpu_check.py ") and f"{gpu_check_outputs.MAX_TRANSFER_FILES} files at" \
+        in " ".join(result.stdout.split())
+
+
 def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
     with pytest.raises(gpu_check.UsageError, match=r"^no CUDA GPU is visible to .*--dry-run shows what would run$"):
         gpu_check.main(["--out", str(tmp_path)], gpu_name=lambda: None, show=lambda line: None)
