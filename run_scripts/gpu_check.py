@@ -26,13 +26,13 @@ back 8 files at most) leaves only that summary and one archive there, whose path
 repository's: `tar -xzf gpu-check-*.tar.gz` at the repository's root puts every file in its place.
 
 Exit status: 0 when no part failed (skipped ones included), 1 when one did, 2 for a mistake in the
-command line or no CUDA GPU (one line). torch is imported only to find the GPU; a dry run needs none.
-One module: what a GPU session's call runs and brings back, read in one place before device time is spent.
+command line, no CUDA GPU or no torch (one line). torch is imported only to find the GPU; a dry run
+needs no GPU, but torch (the scripts' parser lists torchvision's models).
+What it brings back (the copies, tables, summary and archive) is gpu_check_outputs.py's.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import functools
@@ -41,27 +41,33 @@ import os
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+
+# run_scripts/ is no package: its sibling is found on sys.path, whose first entry is this folder when the file is
+# run (gpu_check.sh, the device tool), unless python -P or PYTHONSAFEPATH leave it out.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_outputs import (MAX_TRANSFER_FILES, Outcome, add_throughput_row, copy_note, copy_profile,
+                               copy_run_logs, graphs_note, last_line, pack, session_date, summary_text)
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("tests", "profile", "graphs", "bench", "decode", "matrix")  # the default order: most valuable first
 DEFAULT_SECONDS = 540  # one 10-minute command of the device tool, with a minute to spare
 MAX_SECONDS = 86_400
 RESERVE_SECONDS = 20  # kept back from the parts for the archive and the summary
-MAX_TRANSFER_FILES = 8  # what the device tool brings back from $OUT
-MAX_COPIED_FILE_BYTES = 4 << 20  # a run directory's file larger than this stays behind (none of its logs is)
-LEFT_BEHIND = (".pth.tar", "run.lock", "trace.json")  # checkpoints, the lock, the profiler's Chrome trace
 STOP_GRACE_SECONDS = 10
 NOT_FOUND_EXIT_STATUS = 127  # a command that could not start, as a shell says it
 DEADLINE_EXIT_STATUS = 75  # gpu_demo_matrix.sh: runs left for want of time, none failed (sysexits' EX_TEMPFAIL)
 GRAPHS_REPEATS = 3
 MATRIX_RUN_SECONDS = 40  # one digits run on an H200 took about 26 s (2026-11-26): gpu_demo_matrix.sh's RUN_SECONDS
+# gpu_demo_matrix.sh's FIRST_RUN_SECONDS: its first run also writes the digits and starts CUDA and cuDNN on a
+# cold machine, which 40 s did not leave room for; a guess, not timed yet.
+MATRIX_FIRST_RUN_SECONDS = 60
+MATRIX_RUNS = 10  # gpu_demo_matrix.sh's: nd, dp, ddp, O0, O1-O3 in fp16 and in bf16
 # The default GPU step, as the benchmark's "ddp_apex O2 channels_last" configuration runs it (its
 # Settings.synthetic_workers: -j 4), left to its own defaults: --opt-level auto is O2 on a GPU. The first 15 steps are
 # left out of the throughput and the profile: --cuda-graphs on captures at step 12 under DDP (11 eager steps first),
@@ -110,14 +116,6 @@ class Part:
     steps: Tuple[Step, ...]
     unavailable: str = ""  # why this part cannot run here at all
     after: Optional[Callable[[], str]] = None  # after its steps: a note for the summary
-
-
-@dataclasses.dataclass
-class Outcome:
-    part: str
-    status: str  # ran, failed (exit N), stopped at the deadline, partial (k of n steps), skipped
-    seconds: float = 0.0
-    notes: List[str] = dataclasses.field(default_factory=list)
 
 
 # --- what each part runs ---
@@ -218,13 +216,15 @@ def decode_part(settings: Settings) -> Part:
 
 
 def matrix_part(settings: Settings, deadline: Callable[[], float]) -> Part:
-    """gpu_demo_matrix.sh starts a run only while MATRIX_RUN_SECONDS fit before the deadline (so its closing
-    accuracy check still runs); then the run directories are copied without their checkpoints."""
+    """gpu_demo_matrix.sh starts a run only while MATRIX_RUN_SECONDS fit before the deadline, its first only while
+    MATRIX_FIRST_RUN_SECONDS do (so its closing accuracy check still runs); then the run directories are copied
+    without their checkpoints."""
     logdir = settings.scratch / "matrix"
     command = ("bash", "run_scripts/gpu_demo_matrix.sh")
-    # 420 s: 10 runs of MATRIX_RUN_SECONDS and the digits written; 60 s: the digits and one run.
-    step = Step("matrix", (command,), "matrix.log", 420, 60,
+    step = Step("matrix", (command,), "matrix.log",
+                MATRIX_FIRST_RUN_SECONDS + (MATRIX_RUNS - 1) * MATRIX_RUN_SECONDS, MATRIX_FIRST_RUN_SECONDS,
                 env={"PYTHON": settings.python, "LOGDIR": str(logdir), "RUN_SECONDS": str(MATRIX_RUN_SECONDS),
+                     "FIRST_RUN_SECONDS": str(MATRIX_FIRST_RUN_SECONDS),
                      "MATRIX_DEADLINE": lambda: str(int(deadline()))},
                 after=lambda: "; ".join(filter(None, (last_line(settings.out / "matrix.log"),
                                                       copy_note(copy_run_logs(logdir, settings.runs_copy))))))
@@ -235,83 +235,6 @@ def build_parts(names: Sequence[str], settings: Settings, deadline: Callable[[],
     builders = {"tests": tests_part, "profile": profile_part, "graphs": graphs_part, "bench": bench_part,
                 "decode": decode_part, "matrix": lambda settings: matrix_part(settings, deadline)}
     return [Part("env", (env_step(settings),))] + [builders[name](settings) for name in names]
-
-
-# --- the products: copies, tables, notes ---
-
-def copy_run_logs(source: Path, destination: Path) -> Tuple[List[str], List[str]]:
-    """Each run directory under `source` into `destination` without its checkpoints, lock and traces, nor
-    any file over MAX_COPIED_FILE_BYTES: (the runs copied, the files left behind, relative to `source`)."""
-    runs, left = [], []
-    if not source.is_dir():
-        return runs, left
-    for run in sorted(path for path in source.iterdir() if path.is_dir()):
-        runs.append(run.name)
-        for path in sorted(run.rglob("*")):
-            if not path.is_file():
-                continue
-            relative = path.relative_to(source)
-            if path.name.endswith(LEFT_BEHIND) or path.stat().st_size > MAX_COPIED_FILE_BYTES:
-                left.append(str(relative))
-                continue
-            target = destination / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
-    return runs, left
-
-
-def copy_note(copied: Tuple[List[str], List[str]]) -> str:
-    runs, left = copied
-    return f"{len(runs)} run director{'y' if len(runs) == 1 else 'ies'} copied, {len(left)} file(s) left behind"
-
-
-def copy_profile(run_dir: Path, target: Path) -> str:
-    """The run's profile summary.txt as `target`; its first line (ms per step, the GPU's idle share) as the note."""
-    found = sorted(run_dir.glob("profile-*/summary.txt"))
-    if not found:
-        return f"no profile summary in {run_dir}"
-    target.write_bytes(found[-1].read_bytes())
-    return f"{target.name}: {last_line(found[-1], first=True)}"
-
-
-def add_throughput_row(table: Path, run_dir: Path, mode: str, repeat: int) -> str:
-    """The run's training images/s (metrics.csv, after its warm-up steps) as a row of `table`."""
-    try:
-        with open(run_dir / "metrics.csv", newline="") as handle:
-            row = next(row for row in csv.DictReader(handle) if row.get("split") == "train")
-    except (OSError, StopIteration):
-        return f"no training row in {run_dir / 'metrics.csv'}"
-    new = not table.exists()
-    with open(table, "a", newline="") as handle:
-        writer = csv.writer(handle)
-        if new:
-            writer.writerow(["cuda_graphs", "repeat", "images_per_second", "peak_memory_mib"])
-        writer.writerow([mode, repeat, row["images_per_second"], row.get("peak_memory_mib", "")])
-    return f"--cuda-graphs {mode}: {float(row['images_per_second']):,.0f} images/s"
-
-
-def graphs_note(table: Path) -> str:
-    """Each mode's median images/s over its runs, and graphed over eager."""
-    rates: Dict[str, List[float]] = {"off": [], "on": []}
-    if table.exists():
-        with open(table, newline="") as handle:
-            for row in csv.DictReader(handle):
-                rates[row["cuda_graphs"]].append(float(row["images_per_second"]))
-    medians = {mode: statistics.median(values) for mode, values in rates.items() if values}
-    parts = [f"--cuda-graphs {mode}: median {medians[mode]:,.0f} images/s of {len(rates[mode])}"
-             for mode in medians]
-    if len(medians) == 2:
-        parts.append(f"on/off {medians['on'] / medians['off']:.3f}")
-    return "; ".join(parts) or "no run measured"
-
-
-def last_line(path: Path, first: bool = False) -> str:
-    """The last (or first) line of a text file that is not blank: pytest's and the bench's verdicts."""
-    try:
-        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return (lines[0] if first else lines[-1]) if lines else ""
 
 
 # --- running them within the deadline ---
@@ -447,42 +370,6 @@ def part_status(statuses: Sequence[str], steps: int) -> str:
     return done
 
 
-def session_date(now: Optional[datetime.datetime] = None) -> str:
-    """`date`'s line as common.tools.results_summary reads an env.txt's first line, whatever the locale."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%a %b %d %I:%M:%S %p UTC %Y")
-
-
-def summary_text(outcomes: Sequence[Outcome], header: str) -> str:
-    """summary-<parts>.txt: a row per part (status, seconds, notes), then 'skipped: ...' (or 'skipped: nothing')."""
-    lines = [header, "", f"{'part':8}  {'status':32}  {'seconds':>7}  notes"]
-    for outcome in outcomes:
-        lines.append(f"{outcome.part:8}  {outcome.status:32}  {outcome.seconds:7.0f}  {' | '.join(outcome.notes)}")
-    skipped = [f"{outcome.part} ({'; '.join(outcome.notes)})" for outcome in outcomes
-               if outcome.status == "skipped"]
-    skipped += [f"{outcome.part}: {note}" for outcome in outcomes if outcome.status != "skipped"
-                for note in outcome.notes if " needs at least " in note]  # the steps a part left
-    return "\n".join(lines + ["", "skipped: " + (", ".join(skipped) or "nothing")]) + "\n"
-
-
-def pack(out: Path, summary: Path, runs: Optional[Path], kind_folder: str) -> Path:
-    """Every file of `out`, and the matrix's copied `runs` (None: no matrix ran), into one archive whose paths are the
-    repository's (results/gpu-<kind>-<date>/..., results/runs/gpu-<date>/...); the packed files but the
-    summary are removed, so `out` holds two files, within the device tool's MAX_TRANSFER_FILES."""
-    archive = out / f"gpu-check-{summary.stem.removeprefix('summary-')}.tar.gz"
-    packed = [path for path in sorted(out.rglob("*")) if path.is_file() and path not in (summary, archive)]
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in [*packed, summary]:  # the summary stays beside the archive too, to be read first
-            tar.add(path, arcname=f"results/{kind_folder}/{path.relative_to(out).as_posix()}")
-        if runs is not None and runs.is_dir():
-            tar.add(runs, arcname=f"results/runs/{runs.name}")
-    for path in packed:
-        path.unlink()
-    for folder in sorted((path for path in out.rglob("*") if path.is_dir()), reverse=True):
-        folder.rmdir()  # emptied: the device tool would count an empty folder too
-    return archive
-
-
 # --- the command line ---
 
 def build_parser() -> argparse.ArgumentParser:
@@ -538,9 +425,13 @@ def gpu_kind(name: str) -> str:
 
 
 def visible_gpu() -> Optional[str]:
-    """The first CUDA GPU's name, or None where torch sees none."""
-    import torch
-
+    """The first CUDA GPU's name, or None where torch sees none; a UsageError where there is no torch (a dry run
+    too: the scripts' parser, which has_cuda_graphs_flag reads, lists torchvision's models)."""
+    try:
+        import torch
+    except ImportError:  # gpu_check.sh's python3 where there is no .venv: one line, not a traceback
+        raise UsageError(f"torch is not installed for {sys.executable} (gpu_check.sh: set PYTHON to a python "
+                         f"that has it)") from None
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 

@@ -20,10 +20,11 @@ import pytest
 from common.tools import results_summary
 from helpers import REPO, running
 
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "run_scripts" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-sys.modules.setdefault("gpu_check", gpu_check)  # dataclasses look their module up there
-spec.loader.exec_module(gpu_check)
+# As `python3 run_scripts/gpu_check.py` finds its products' module: run_scripts/ first on sys.path, not a package.
+if str(REPO / "run_scripts") not in sys.path:
+    sys.path.insert(0, str(REPO / "run_scripts"))
+import gpu_check  # noqa: E402
+import gpu_check_outputs  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 MATRIX_RUNS = ["nd", "dp", "ddp", "apex-O0", "apex-O1-fp16", "apex-O2-fp16", "apex-O3-fp16", "apex-O1-bf16",
@@ -112,8 +113,8 @@ def test_the_dry_run_prints_each_steps_exact_command(tmp_path, monkeypatch):
                              "end-to-end", "--configs", "'ddp_apex", "O2", "channels_last'", "--repeats", "3",
                              "--csv", str(tmp_path.resolve() / "bench.csv")]
     matrix = next(lines[index + 1] for index, line in enumerate(lines) if "] matrix:" in line).split()
-    assert matrix[0] == f"PYTHON={python}" and matrix[-4:] == ["RUN_SECONDS=40", "MATRIX_DEADLINE=<deadline>",
-                                                               "bash", "run_scripts/gpu_demo_matrix.sh"]
+    assert matrix[0] == f"PYTHON={python}" and matrix[-5:] == [
+        "RUN_SECONDS=40", "FIRST_RUN_SECONDS=60", "MATRIX_DEADLINE=<deadline>", "bash", "run_scripts/gpu_demo_matrix.sh"]
 
 
 def test_the_tests_part_collects_only_the_files_that_mark_gpu_tests(tmp_path, monkeypatch):
@@ -163,6 +164,16 @@ def test_the_scripts_flag_is_looked_up_in_their_parser():
 
 # --- mistakes and no GPU ---
 
+def test_the_script_finds_its_outputs_module_from_any_folder(tmp_path):
+    """run_scripts/ is no package: started from another folder, with python's safe path on (-P: no script folder
+    first on sys.path), gpu_check.py still imports gpu_check_outputs.py beside it."""
+    result = subprocess.run([sys.executable, REPO / "run_scripts" / "gpu_check.py", "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, env=dict(os.environ, PYTHONSAFEPATH="1"), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: gpu_check.py ") and f"{gpu_check_outputs.MAX_TRANSFER_FILES} files at" \
+        in " ".join(result.stdout.split())
+
+
 def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
     with pytest.raises(gpu_check.UsageError, match=r"^no CUDA GPU is visible to .*--dry-run shows what would run$"):
         gpu_check.main(["--out", str(tmp_path)], gpu_name=lambda: None, show=lambda line: None)
@@ -173,6 +184,17 @@ def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
     assert f"output: {REPO}/results/gpu-unknown-{today}" in lines[0]
     assert lines[-1].splitlines()[-1].startswith("skipped: ")
     assert not (REPO / "results" / f"gpu-unknown-{today}").exists()  # nothing written
+
+
+def test_without_torch_a_run_and_a_dry_run_are_one_line(tmp_path, monkeypatch):
+    """gpu_check.sh's python3 where there is no .venv may have no torch: one line, before anything is written."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    for dry_run in ([], ["--dry-run"]):
+        with pytest.raises(gpu_check.UsageError) as raised:
+            gpu_check.main([*dry_run, "--out", str(tmp_path / "out")], show=lambda line: None)
+        assert str(raised.value) == \
+            f"torch is not installed for {sys.executable} (gpu_check.sh: set PYTHON to a python that has it)"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -279,8 +301,8 @@ def test_the_deadline_counts_the_time_torch_takes_to_find_the_gpu(tmp_path, monk
 def test_env_txt_dates_the_profiles_in_results(tmp_path):
     """results_summary reads the GPU and the date of a profile from the env.txt beside it."""
     moment = datetime.datetime(2026, 11, 28, 13, 5, 9, tzinfo=datetime.timezone.utc)
-    assert gpu_check.session_date(moment) == "Sat Nov 28 01:05:09 PM UTC 2026"
-    (tmp_path / "env.txt").write_text(gpu_check.session_date(moment) + "\n$ nvidia-smi\n"
+    assert gpu_check_outputs.session_date(moment) == "Sat Nov 28 01:05:09 PM UTC 2026"
+    (tmp_path / "env.txt").write_text(gpu_check_outputs.session_date(moment) + "\n$ nvidia-smi\n"
                                       "|   0  NVIDIA H100 80GB HBM3          On  |   00000000:00:06.0 Off |\n")
     (tmp_path / "profile-resnet50-b256-default-summary.txt").write_text(
         "10 step(s) profiled: 41.5 ms per step; the GPU ran no kernel or copy 8.2% of that time\n")
@@ -302,13 +324,13 @@ def make_run_dir(root: Path) -> Path:
     os.link(run / "checkpoint-epoch007-images00011264.pth.tar", run / "checkpoint.pth.tar")
     os.link(run / "checkpoint-epoch007-images00011264.pth.tar", run / "model_best.pth.tar")
     with open(run / "confusion_matrix.npy", "wb") as handle:
-        handle.truncate(gpu_check.MAX_COPIED_FILE_BYTES + 1)
+        handle.truncate(gpu_check_outputs.MAX_COPIED_FILE_BYTES + 1)
     return run
 
 
 def test_run_directories_are_copied_without_checkpoints(tmp_path):
     make_run_dir(tmp_path / "scratch")
-    runs, left = gpu_check.copy_run_logs(tmp_path / "scratch", tmp_path / "copy")
+    runs, left = gpu_check_outputs.copy_run_logs(tmp_path / "scratch", tmp_path / "copy")
     copied = sorted(path.relative_to(tmp_path / "copy").as_posix() for path in (tmp_path / "copy").rglob("*")
                     if path.is_file())
     assert runs == ["apex-O2-bf16"]
@@ -319,14 +341,14 @@ def test_run_directories_are_copied_without_checkpoints(tmp_path):
         "checkpoint-epoch007-images00011264.pth.tar", "checkpoint.pth.tar", "confusion_matrix.npy",
         "model_best.pth.tar", "profile-x/trace.json", "run.lock")]
     assert (tmp_path / "copy" / "apex-O2-bf16" / "metrics.csv").read_text() == "metrics.csv"
-    assert gpu_check.copy_note((runs, left)) == "1 run directory copied, 6 file(s) left behind"
-    assert gpu_check.copy_run_logs(tmp_path / "none", tmp_path / "copy2") == ([], [])
+    assert gpu_check_outputs.copy_note((runs, left)) == "1 run directory copied, 6 file(s) left behind"
+    assert gpu_check_outputs.copy_run_logs(tmp_path / "none", tmp_path / "copy2") == ([], [])
 
 
 def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
     out, runs_copy = tmp_path / "out", tmp_path / "results" / "runs" / "gpu-2026-11-28"
     make_run_dir(tmp_path / "scratch")
-    gpu_check.copy_run_logs(tmp_path / "scratch", runs_copy)
+    gpu_check_outputs.copy_run_logs(tmp_path / "scratch", runs_copy)
     out.mkdir()
     names = ["env.txt", "tests.log", "profile.log", "graphs.log", "graphs.csv", "bench.log", "bench.csv",
              "profile-resnet50-b256-default-summary.txt", "profile-resnet50-b256-eager-summary.txt"]
@@ -334,7 +356,7 @@ def test_the_archive_holds_everything_at_the_repositorys_paths(tmp_path):
         (out / name).write_text(name)
     summary = out / "summary-tests-bench.txt"
     summary.write_text("summary")
-    archive = gpu_check.pack(out, summary, runs_copy, "gpu-h100-2026-11-28")
+    archive = gpu_check_outputs.pack(out, summary, runs_copy, "gpu-h100-2026-11-28")
     assert archive.name == "gpu-check-tests-bench.tar.gz"
     assert sorted(out.iterdir()) == [archive, summary]  # within the device tool's 8 files
     with tarfile.open(archive) as tar:
@@ -354,25 +376,25 @@ def test_graphs_rows_and_their_medians(tmp_path):
         (run_dir / "metrics.csv").write_text(
             "epoch,split,images_per_second,peak_memory_mib\n"
             f"0,train,{rate},20480\n0,val,9000.0,4096\n")
-        assert gpu_check.add_throughput_row(table, run_dir, mode, repeat) == \
+        assert gpu_check_outputs.add_throughput_row(table, run_dir, mode, repeat) == \
             f"--cuda-graphs {mode}: {rate:,.0f} images/s"
     with open(table, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(row["cuda_graphs"], row["images_per_second"], row["peak_memory_mib"]) for row in rows[:2]] == [
         ("off", "4100.0", "20480"), ("on", "5900.0", "20480")]
-    assert gpu_check.graphs_note(table) == ("--cuda-graphs off: median 4,200 images/s of 3; "
+    assert gpu_check_outputs.graphs_note(table) == ("--cuda-graphs off: median 4,200 images/s of 3; "
                                             "--cuda-graphs on: median 5,900 images/s of 3; on/off 1.405")
-    assert gpu_check.add_throughput_row(table, tmp_path / "missing", "on", 4).startswith("no training row in ")
+    assert gpu_check_outputs.add_throughput_row(table, tmp_path / "missing", "on", 4).startswith("no training row in ")
 
 
 def test_a_profile_summary_is_copied_under_its_variants_name(tmp_path):
     (tmp_path / "run" / "profile-20261128").mkdir(parents=True)
     (tmp_path / "run" / "profile-20261128" / "summary.txt").write_text("10 step(s) profiled: 41.5 ms per step\nrest\n")
     target = tmp_path / "profile-resnet50-b256-eager-summary.txt"
-    assert gpu_check.copy_profile(tmp_path / "run", target) == \
+    assert gpu_check_outputs.copy_profile(tmp_path / "run", target) == \
         "profile-resnet50-b256-eager-summary.txt: 10 step(s) profiled: 41.5 ms per step"
     assert target.read_text().startswith("10 step(s) profiled")
-    assert gpu_check.copy_profile(tmp_path / "none", target).startswith("no profile summary in ")
+    assert gpu_check_outputs.copy_profile(tmp_path / "none", target).startswith("no profile summary in ")
 
 
 # --- gpu_demo_matrix.sh's deadline ---
@@ -394,9 +416,32 @@ def test_the_matrix_starts_no_run_past_its_deadline(tmp_path):
     assert "==" not in result.stdout
 
 
+def run_matrix(tmp_path, seconds_left: int, **variables) -> subprocess.CompletedProcess:
+    """gpu_demo_matrix.sh with the stand-in PYTHON and MATRIX_DEADLINE `seconds_left` from now."""
+    deadline = int(datetime.datetime.now(datetime.timezone.utc).timestamp()) + seconds_left
+    return subprocess.run(["bash", REPO / "run_scripts" / "gpu_demo_matrix.sh"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=str(fake_python(tmp_path)), LOGDIR=str(tmp_path / "runs"),
+                                   MATRIX_DEADLINE=str(deadline), **variables), timeout=60)
+
+
+def test_the_matrixs_first_run_starts_only_with_its_own_allowance_left(tmp_path):
+    """The first run also writes the digits and starts CUDA cold: FIRST_RUN_SECONDS (default 60) must fit before
+    the deadline, not only RUN_SECONDS, or no run starts; once it fits, every run does (the stand-ins end at once).
+    The margins are minutes, so a slow machine's seconds change nothing."""
+    for seconds_left, variables in ((300, {"RUN_SECONDS": "40", "FIRST_RUN_SECONDS": "900"}),
+                                    (50, {"RUN_SECONDS": "40"})):  # the default's 60 s do not fit in 50
+        result = run_matrix(tmp_path, seconds_left, **variables)
+        assert result.returncode == 75, (result.stdout, result.stderr)
+        assert result.stdout.splitlines() == [f"not run before the deadline: {' '.join(MATRIX_RUNS)}"]
+    result = run_matrix(tmp_path, 300, RUN_SECONDS="40", FIRST_RUN_SECONDS="200")
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert [line.split(":")[0] for line in result.stdout.splitlines()] == [f"== {name}" for name in MATRIX_RUNS]
+
+
 def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp_path, monkeypatch):
-    """The matrix part as on a GPU: gpu_demo_matrix.sh gets PYTHON, LOGDIR and the deadline, and starts
-    no run when a run's seconds exceed what is left (75: stopped, not failed); the archive holds its log."""
+    """The matrix part as on a GPU: gpu_demo_matrix.sh gets PYTHON, LOGDIR, both allowances and the deadline;
+    with a run's seconds past what is left, it starts the first run alone, on its own allowance, and lists the
+    others as not run (75: stopped, not failed); the archive holds its log."""
     monkeypatch.setattr(sys, "executable", str(fake_python(tmp_path)))  # the interpreter of every step
     monkeypatch.setattr(gpu_check, "MATRIX_RUN_SECONDS", 10 ** 6)
     monkeypatch.setattr(gpu_check, "env_step", lambda settings: fake_step("env", "", log="env.txt"))
@@ -408,14 +453,15 @@ def test_the_matrix_part_hands_its_deadline_to_the_matrix_and_packs_its_runs(tmp
     assert sorted(path.name for path in out.iterdir()) == ["gpu-check-matrix.tar.gz", summary.name]
     lines = summary.read_text().splitlines()
     assert lines[4].startswith("matrix    stopped at the deadline ") and lines[4].endswith(
-        f"not run before the deadline: {' '.join(MATRIX_RUNS)}; 0 run directories copied, 0 file(s) left behind")
+        f"not run before the deadline: {' '.join(MATRIX_RUNS[1:])}; 0 run directories copied, 0 file(s) left behind")
     with tarfile.open(out / "gpu-check-matrix.tar.gz") as tar:
         today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         log = tar.extractfile(f"results/gpu-h100-{today}/matrix.log").read().decode()
-    assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n")
+    assert log.startswith("$ bash run_scripts/gpu_demo_matrix.sh\n== nd: imagenet_nd.py \n")
+    assert log.count("== ") == 1
 
 
-@pytest.mark.parametrize("variable", ["MATRIX_DEADLINE", "RUN_SECONDS"])
+@pytest.mark.parametrize("variable", ["MATRIX_DEADLINE", "RUN_SECONDS", "FIRST_RUN_SECONDS"])
 def test_the_matrix_takes_only_whole_seconds(tmp_path, variable):
     marker = tmp_path / "ran"
     result = subprocess.run(["bash", REPO / "run_scripts" / "gpu_demo_matrix.sh"], capture_output=True, text=True,
