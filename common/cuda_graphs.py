@@ -65,6 +65,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from common.config import Config, cuda_graph_blockers
 from common.errors import UsageError
 from common.files import format_bytes
 from common.loss_guard import nonfinite_flags
@@ -82,30 +83,20 @@ class GraphChoice:
     warmup_steps: int = WARMUP_STEPS
 
 
-def choose(setting: str, device: torch.device, model: nn.Module, *, accum_steps: int = 1, mixing: bool = False,
-           model_ema: bool = False, max_nonfinite_steps: int = 0, compile: bool = False, comm_hook: str = "none",
-           sync_bn: bool = False) -> GraphChoice:
-    """--cuda-graphs `setting` for a run on `device` with `model` as the
-    script wrapped it; `on` on the CPU is a UsageError."""
-    if setting == "on" and device.type != "cuda":
+def choose(cfg: Config, device: torch.device, model: nn.Module) -> GraphChoice:
+    """--cuda-graphs (cfg.cuda_graphs) for a run on `device` with `model` as the script wrapped it; `on` on
+    the CPU is a UsageError. What of the options keeps the step eager: config.cuda_graph_blockers, which
+    common.comm reads too."""
+    if cfg.cuda_graphs == "on" and device.type != "cuda":
         raise UsageError("argument --cuda-graphs: on needs a CUDA GPU, and this process trains on the CPU "
                          "(use auto or off)")
-    if setting == "off" or device.type != "cuda":
+    if cfg.cuda_graphs == "off" or device.type != "cuda":
         return GraphChoice(False, None)
-    if setting == "auto":
+    if cfg.cuda_graphs == "auto":
         return GraphChoice(False, "cuda graphs: off (--cuda-graphs auto stays eager until run_scripts/gpu_check.sh "
                                   "has measured graphs on a GPU; --cuda-graphs on captures the training step)")
-    blockers = [reason for applies, reason in (
-        (accum_steps > 1, f"--accum-steps {accum_steps} (micro-batches, the first under DDP's no_sync)"),
-        (mixing, "MixUp/CutMix (drawn on the host each step)"),
-        (model_ema, "--model-ema (its update asks the host whether the step was skipped)"),
-        (max_nonfinite_steps > 0, f"--max-nonfinite-steps {max_nonfinite_steps} (the host reads each loss "
-                                  f"before the update)"),
-        (isinstance(model, nn.DataParallel), "DataParallel (it scatters each batch from the host)"),
-        (compile, "--compile (torch.compile makes graphs of its own)"),
-        (comm_hook != "none", f"--ddp-comm-hook {comm_hook} (the hook keeps state on the host)"),
-        (sync_bn, "--sync-bn (not captured yet)"),
-    ) if applies]
+    blockers = (("DataParallel (it scatters each batch from the host)",) if isinstance(model, nn.DataParallel)
+                else ()) + cuda_graph_blockers(cfg)
     if blockers:
         return GraphChoice(False, "--cuda-graphs on: every training step eager, for " + "; ".join(blockers))
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
