@@ -131,7 +131,13 @@ class CudaGraph:
             with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.outputs = body()
         except RuntimeError:
-            torch.cuda.set_stream(previous)  # a capture_end that fails leaves torch.cuda.graph's stream current
+            # What a failed capture leaves (torch 2.14's graphs.py and CUDAGraph.h read; not yet seen on a GPU):
+            # torch.cuda.graph's stream current, when capture_end threw before its exit; and the graph's private
+            # memory pool held, the allocator perhaps still routing to it, and the CUDA generator's state of
+            # this capture, until the graph is reset: now, not when the error's traceback lets it go.
+            torch.cuda.set_stream(previous)
+            self.graph.reset()
+            self.graph = None
             raise
 
     def replay(self) -> StepOutputs:
@@ -199,13 +205,16 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)  # the capture's backward makes them, in the graph's memory
         reserved_before, started = _settled_reserved_bytes(self.device, release_cached=True), time.perf_counter()
         self.static_images, self.static_target = images.clone(), target.clone()  # strides kept: channels-last too
+        failure = None
         try:
             self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
         except RuntimeError as error:
             if self.ddp:  # its reducer stopped mid-backward, and every process must take the same path: no going on
                 raise UsageError(f"argument --cuda-graphs: on: the training step could not be captured under DDP "
                                  f"({_first_line(error)}); run with --cuda-graphs off") from None
-            return self._eager_for_good(images, target, error)
+            failure = _first_line(error)
+        if failure is not None:  # out of the except: the error's traceback, and the capture's tensors it holds, gone
+            return self._eager_for_good(images, target, failure)
         self.shape = shape
         outputs = self.graph.replay()
         reserved_after, seconds = _settled_reserved_bytes(self.device), time.perf_counter() - started
@@ -216,15 +225,17 @@ class GraphedStep:
                  f"{'x'.join(map(str, images.shape))} in {seconds:.2f} s (capture and first replay){memory}")
         return outputs
 
-    def _eager_for_good(self, images: torch.Tensor, target: torch.Tensor, error: RuntimeError) -> StepOutputs:
-        """After a capture that failed (something in the step waits for the host, or is not capturable):
-        what the capture began (gradients, the scaler's record) dropped, this step and every later one
-        eager, said once. The capture ran nothing, so the weights, momentum and scale are as they were."""
+    def _eager_for_good(self, images: torch.Tensor, target: torch.Tensor, failure: str) -> StepOutputs:
+        """After a capture that failed (something in the step waits for the host, or is not capturable; `failure`
+        says what): what the capture began dropped (gradients, the scaler's record and what it handed the
+        optimizer), the memory it took handed back, this step and every later one eager, said once. The capture
+        ran nothing, so the weights, momentum and scale are as they were."""
         self.graph = self.static_images = self.static_target = None
         self.warmup_steps = math.inf
         self.optimizer.zero_grad(set_to_none=True)
-        self.precision.forget_step()
-        self.say(f"cuda graphs: the training step could not be captured ({_first_line(error)}); every training "
+        self.precision.forget_step(self.optimizer)
+        _settle(self.device, release_cached=True)  # the failed graph's pool, its last tensors dropped above
+        self.say(f"cuda graphs: the training step could not be captured ({failure}); every training "
                  f"step eager from here")
         return self._on_side_stream(lambda: self.body(images, target))
 
@@ -283,13 +294,20 @@ def _shape_of(images: torch.Tensor, target: torch.Tensor) -> tuple:
     return tuple(images.shape), images.dtype, images.stride(), tuple(target.shape), target.dtype
 
 
-def _settled_reserved_bytes(device: torch.device, release_cached: bool = False) -> int:
-    """The CUDA caching allocator's reserved bytes once the device is idle (a host sync: once per capture);
-    `release_cached`: after handing its unused blocks back first (torch.cuda.graph does too as it starts),
-    so that the capture's cost is what it adds to what the tensors alive hold."""
+def _settle(device: torch.device, release_cached: bool = False) -> None:
+    """Wait until the device is idle (a host sync); `release_cached`: then hand the CUDA caching allocator's
+    unused blocks back (torch.cuda.graph does too as it starts). Nothing on the CPU."""
     if device.type != "cuda":
-        return 0
+        return
     torch.cuda.synchronize(device)
     if release_cached:
         torch.cuda.empty_cache()
+
+
+def _settled_reserved_bytes(device: torch.device, release_cached: bool = False) -> int:
+    """The CUDA caching allocator's reserved bytes once the device is idle (_settle: once per capture), so that
+    with `release_cached` the capture's cost is what it adds to what the tensors alive hold."""
+    if device.type != "cuda":
+        return 0
+    _settle(device, release_cached)
     return torch.cuda.memory_reserved(device)

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import dataclasses
 import types
+import weakref
 
 import pytest
 import torch
@@ -217,12 +218,108 @@ def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
     with policy.autocast():
         policy.backward(nn.functional.cross_entropy(model(sample.image), sample.target))
     policy.scaler.unscale_(optimizer)
-    policy.forget_step()
+    policy.forget_step(optimizer)
     before = model[5].weight.detach().clone()
     with policy.autocast():
         loss = nn.functional.cross_entropy(model(sample.image), sample.target)
     policy.backward_and_step(loss, optimizer)
     assert not torch.equal(model[5].weight, before)
+
+
+def capture_refused_in(owner, name: str, model: nn.Module):
+    """A stand-in capture that runs the step until it calls `owner.name`, which raises as CUDA does at a call
+    that waits for the host: what the step set up to there (the scaler's attributes on the optimizer, the
+    gradients) stays, as after a real capture. A real capture runs no kernel, so the model's weights and
+    BatchNorm's statistics are put back as they were."""
+
+    class RefusedCapture:
+        def __init__(self, body, stream):
+            as_before = copy.deepcopy(model.state_dict())
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+            setattr(owner, name, refuse)
+            try:
+                body()
+            finally:
+                delattr(owner, name)
+                model.load_state_dict(as_before)
+
+    return RefusedCapture
+
+
+def test_a_capture_that_fails_inside_the_optimizer_step_leaves_no_scale_for_the_next_step():
+    """GradScaler.step hands fused SGD the scale and found_inf as attributes of the optimizer and deletes them
+    only once its step returns: a capture that fails inside the step leaves them, and the next eager step would
+    take the stale scale times its own (its gradients unscaled twice). The steps after the failure train exactly
+    as eager steps do."""
+    model = small_model()
+    optimizer = fused_sgd(model)
+    ctx = distributed.single_process("cpu")
+    lines = []
+    graphed = GraphedStep(model, nn.CrossEntropyLoss(), optimizer, fp16_on_cpu(), ctx.device, 2, say=lines.append,
+                          capture_with=capture_refused_in(optimizer, "step", model))
+    trainer = engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, SCHEDULE, graphed.precision, ctx,
+                             telemetry.RunLog(ctx), graphed=graphed)
+    losses = losses_of_steps(trainer, [batch(index) for index in range(6)])
+    assert lines == ["cuda graphs: the training step could not be captured (CUDA error: operation not permitted "
+                     "when stream is capturing); every training step eager from here"]
+    assert_same_state(train(fp16_on_cpu(), 6), (model, optimizer, losses))
+
+
+def test_what_a_failed_capture_made_is_let_go_before_the_eager_step():
+    """The error of a failed capture holds, in its traceback, the tensors the capture made (on a GPU, in the
+    graph's private pool: the loss, the logits, what autograd saved for the backward pass): let go before the
+    step is run eagerly, and before the allocator's cache is emptied, so that their memory goes back."""
+    model = small_model()
+    optimizer = fused_sgd(model)
+    made_in_capture, alive_at_eager_steps = [], []
+
+    class WatchedLoss(nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            loss = super().forward(logits, target)
+            if "step" in vars(optimizer):  # the stand-in capture refuses optimizer.step: capturing
+                made_in_capture.append(weakref.ref(loss))
+            else:
+                alive_at_eager_steps.append(sum(made() is not None for made in made_in_capture))
+            return loss
+
+    ctx = distributed.single_process("cpu")
+    graphed = GraphedStep(model, WatchedLoss(), optimizer, precision.FP32(), ctx.device, 2, say=[].append,
+                          capture_with=capture_refused_in(optimizer, "step", model))
+    trainer = engine.Trainer(model, WatchedLoss(), optimizer, SCHEDULE, precision.FP32(), ctx, telemetry.RunLog(ctx),
+                             graphed=graphed)
+    losses_of_steps(trainer, [batch(index) for index in range(4)])
+    assert len(made_in_capture) == 1  # at the third step
+    assert alive_at_eager_steps == [0, 0, 0, 0]  # two before the capture, the third step's and the fourth
+
+
+def test_a_capture_whose_end_fails_gives_its_graph_back_and_the_stream_it_found(monkeypatch):
+    """torch.cuda.graph's exit calls capture_end, which throws for a capture that went wrong, before the exit
+    would make the stream it found current again. CudaGraph does that, and resets the graph at once rather than
+    when the error's traceback lets it go: torch 2.14's CUDAGraph.h says reset() releases the private memory pool
+    of a failed capture and ends the allocator's routing to it. Stand-ins for torch.cuda's graph and streams."""
+    events = []
+
+    class Graph:
+        def reset(self):
+            events.append("graph reset")
+
+    @contextlib.contextmanager
+    def capturing(graph, stream, capture_error_mode):
+        events.append(f"capture on the {stream} ({capture_error_mode})")
+        yield
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")  # capture_end's
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "training stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: events.append(f"{stream} current"))
+    with pytest.raises(RuntimeError, match=r"^CUDA error: operation not permitted when stream is capturing$"):
+        cuda_graphs.CudaGraph(lambda: events.append("step captured"), "side stream")
+    assert events == ["capture on the side stream (thread_local)", "step captured", "training stream current",
+                      "graph reset"]
 
 
 def ddp_on_stand_in_streams(monkeypatch, **options):
