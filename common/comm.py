@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import Config
+from common.config import Config, cuda_graph_blockers
 from common.distributed import Context, broadcast_buffers_from_primary, gather_to_primary
 from common.errors import UsageError
 from common.models import unwrap
@@ -240,8 +240,11 @@ def distributed_model(model: nn.Module, cfg: Config, ctx: Context) -> Tuple[nn.M
     size = {"bucket_cap_mb": cfg.bucket_cap_mb} if cfg.bucket_cap_mb else {}
     options = fewer_copies(inspect.signature(nn.parallel.DistributedDataParallel).parameters,
                            on_gpu=ctx.device.type == "cuda")
-    # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be captured.
-    side_stream = torch.cuda.Stream(ctx.device) if cfg.cuda_graphs == "on" and ctx.device.type == "cuda" else None
+    # --cuda-graphs on: torch's CUDA-graph notes ask DDP to be made on a side stream for its backward to be
+    # captured. Only where the step will be: eager steps run on the default stream, and a DDP made on another
+    # has each gradient of each step cross streams (torch warns of AccumulateGrad's stream mismatch and syncs).
+    captured = cfg.cuda_graphs == "on" and ctx.device.type == "cuda" and not cuda_graph_blockers(cfg)
+    side_stream = torch.cuda.Stream(ctx.device) if captured else None
     with torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext():
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                                   static_graph=cfg.static_graph, **size, **options)

@@ -204,6 +204,23 @@ class Config:
                          self.progressive_step)
 
 
+def cuda_graph_blockers(cfg: Config) -> Tuple[str, ...]:
+    """What in the run's options keeps --cuda-graphs on's training step eager, each with why; none: it is
+    captured (on a GPU, without DataParallel). Decided here once: common.cuda_graphs.choose says them, and
+    common.comm makes DDP on a side stream only when the step will be captured, since a DDP made there
+    whose steps run eagerly on the default stream has every gradient of every step cross streams."""
+    return tuple(reason for applies, reason in (
+        (cfg.accum_steps > 1, f"--accum-steps {cfg.accum_steps} (micro-batches, the first under DDP's no_sync)"),
+        (bool(cfg.mixup_alpha or cfg.cutmix_alpha), "MixUp/CutMix (drawn on the host each step)"),
+        (cfg.model_ema, "--model-ema (its update asks the host whether the step was skipped)"),
+        (cfg.max_nonfinite_steps > 0, f"--max-nonfinite-steps {cfg.max_nonfinite_steps} (the host reads each "
+                                      f"loss before the update)"),
+        (cfg.compile, "--compile (torch.compile makes graphs of its own)"),
+        (cfg.ddp_comm_hook != "none", f"--ddp-comm-hook {cfg.ddp_comm_hook} (the hook keeps state on the host)"),
+        (cfg.sync_bn, "--sync-bn (not captured yet)"),
+    ) if applies)
+
+
 def report_files(eval_set_names: Sequence[str]) -> Tuple[str, ...]:
     """The files --evaluate writes into --report-dir, none of which may exist
     before (nothing is overwritten): DATA's validation split's per-class report,

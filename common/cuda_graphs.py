@@ -65,6 +65,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from common.config import Config, cuda_graph_blockers
 from common.errors import UsageError
 from common.files import format_bytes
 from common.loss_guard import nonfinite_flags
@@ -82,30 +83,20 @@ class GraphChoice:
     warmup_steps: int = WARMUP_STEPS
 
 
-def choose(setting: str, device: torch.device, model: nn.Module, *, accum_steps: int = 1, mixing: bool = False,
-           model_ema: bool = False, max_nonfinite_steps: int = 0, compile: bool = False, comm_hook: str = "none",
-           sync_bn: bool = False) -> GraphChoice:
-    """--cuda-graphs `setting` for a run on `device` with `model` as the
-    script wrapped it; `on` on the CPU is a UsageError."""
-    if setting == "on" and device.type != "cuda":
+def choose(cfg: Config, device: torch.device, model: nn.Module) -> GraphChoice:
+    """--cuda-graphs (cfg.cuda_graphs) for a run on `device` with `model` as the script wrapped it; `on` on
+    the CPU is a UsageError. What of the options keeps the step eager: config.cuda_graph_blockers, which
+    common.comm reads too."""
+    if cfg.cuda_graphs == "on" and device.type != "cuda":
         raise UsageError("argument --cuda-graphs: on needs a CUDA GPU, and this process trains on the CPU "
                          "(use auto or off)")
-    if setting == "off" or device.type != "cuda":
+    if cfg.cuda_graphs == "off" or device.type != "cuda":
         return GraphChoice(False, None)
-    if setting == "auto":
+    if cfg.cuda_graphs == "auto":
         return GraphChoice(False, "cuda graphs: off (--cuda-graphs auto stays eager until run_scripts/gpu_check.sh "
                                   "has measured graphs on a GPU; --cuda-graphs on captures the training step)")
-    blockers = [reason for applies, reason in (
-        (accum_steps > 1, f"--accum-steps {accum_steps} (micro-batches, the first under DDP's no_sync)"),
-        (mixing, "MixUp/CutMix (drawn on the host each step)"),
-        (model_ema, "--model-ema (its update asks the host whether the step was skipped)"),
-        (max_nonfinite_steps > 0, f"--max-nonfinite-steps {max_nonfinite_steps} (the host reads each loss "
-                                  f"before the update)"),
-        (isinstance(model, nn.DataParallel), "DataParallel (it scatters each batch from the host)"),
-        (compile, "--compile (torch.compile makes graphs of its own)"),
-        (comm_hook != "none", f"--ddp-comm-hook {comm_hook} (the hook keeps state on the host)"),
-        (sync_bn, "--sync-bn (not captured yet)"),
-    ) if applies]
+    blockers = (("DataParallel (it scatters each batch from the host)",) if isinstance(model, nn.DataParallel)
+                else ()) + cuda_graph_blockers(cfg)
     if blockers:
         return GraphChoice(False, "--cuda-graphs on: every training step eager, for " + "; ".join(blockers))
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -140,7 +131,13 @@ class CudaGraph:
             with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
                 self.outputs = body()
         except RuntimeError:
-            torch.cuda.set_stream(previous)  # a capture_end that fails leaves torch.cuda.graph's stream current
+            # What a failed capture leaves (torch 2.14's graphs.py and CUDAGraph.h read; not yet seen on a GPU):
+            # torch.cuda.graph's stream current, when capture_end threw before its exit; and the graph's private
+            # memory pool held, the allocator perhaps still routing to it, and the CUDA generator's state of
+            # this capture, until the graph is reset: now, not when the error's traceback lets it go.
+            torch.cuda.set_stream(previous)
+            self.graph.reset()
+            self.graph = None
             raise
 
     def replay(self) -> StepOutputs:
@@ -208,13 +205,16 @@ class GraphedStep:
         self.optimizer.zero_grad(set_to_none=True)  # the capture's backward makes them, in the graph's memory
         reserved_before, started = _settled_reserved_bytes(self.device, release_cached=True), time.perf_counter()
         self.static_images, self.static_target = images.clone(), target.clone()  # strides kept: channels-last too
+        failure = None
         try:
             self.graph = self.capture_with(lambda: self.body(self.static_images, self.static_target), self.stream)
         except RuntimeError as error:
             if self.ddp:  # its reducer stopped mid-backward, and every process must take the same path: no going on
                 raise UsageError(f"argument --cuda-graphs: on: the training step could not be captured under DDP "
                                  f"({_first_line(error)}); run with --cuda-graphs off") from None
-            return self._eager_for_good(images, target, error)
+            failure = _first_line(error)
+        if failure is not None:  # out of the except: the error's traceback, and the capture's tensors it holds, gone
+            return self._eager_for_good(images, target, failure)
         self.shape = shape
         outputs = self.graph.replay()
         reserved_after, seconds = _settled_reserved_bytes(self.device), time.perf_counter() - started
@@ -225,15 +225,17 @@ class GraphedStep:
                  f"{'x'.join(map(str, images.shape))} in {seconds:.2f} s (capture and first replay){memory}")
         return outputs
 
-    def _eager_for_good(self, images: torch.Tensor, target: torch.Tensor, error: RuntimeError) -> StepOutputs:
-        """After a capture that failed (something in the step waits for the host, or is not capturable):
-        what the capture began (gradients, the scaler's record) dropped, this step and every later one
-        eager, said once. The capture ran nothing, so the weights, momentum and scale are as they were."""
+    def _eager_for_good(self, images: torch.Tensor, target: torch.Tensor, failure: str) -> StepOutputs:
+        """After a capture that failed (something in the step waits for the host, or is not capturable; `failure`
+        says what): what the capture began dropped (gradients, the scaler's record and what it handed the
+        optimizer), the memory it took handed back, this step and every later one eager, said once. The capture
+        ran nothing, so the weights, momentum and scale are as they were."""
         self.graph = self.static_images = self.static_target = None
         self.warmup_steps = math.inf
         self.optimizer.zero_grad(set_to_none=True)
-        self.precision.forget_step()
-        self.say(f"cuda graphs: the training step could not be captured ({_first_line(error)}); every training "
+        self.precision.forget_step(self.optimizer)
+        _settle(self.device, release_cached=True)  # the failed graph's pool, its last tensors dropped above
+        self.say(f"cuda graphs: the training step could not be captured ({failure}); every training "
                  f"step eager from here")
         return self._on_side_stream(lambda: self.body(images, target))
 
@@ -292,13 +294,20 @@ def _shape_of(images: torch.Tensor, target: torch.Tensor) -> tuple:
     return tuple(images.shape), images.dtype, images.stride(), tuple(target.shape), target.dtype
 
 
-def _settled_reserved_bytes(device: torch.device, release_cached: bool = False) -> int:
-    """The CUDA caching allocator's reserved bytes once the device is idle (a host sync: once per capture);
-    `release_cached`: after handing its unused blocks back first (torch.cuda.graph does too as it starts),
-    so that the capture's cost is what it adds to what the tensors alive hold."""
+def _settle(device: torch.device, release_cached: bool = False) -> None:
+    """Wait until the device is idle (a host sync); `release_cached`: then hand the CUDA caching allocator's
+    unused blocks back (torch.cuda.graph does too as it starts). Nothing on the CPU."""
     if device.type != "cuda":
-        return 0
+        return
     torch.cuda.synchronize(device)
     if release_cached:
         torch.cuda.empty_cache()
+
+
+def _settled_reserved_bytes(device: torch.device, release_cached: bool = False) -> int:
+    """The CUDA caching allocator's reserved bytes once the device is idle (_settle: once per capture), so that
+    with `release_cached` the capture's cost is what it adds to what the tensors alive hold."""
+    if device.type != "cuda":
+        return 0
+    _settle(device, release_cached)
     return torch.cuda.memory_reserved(device)

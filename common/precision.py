@@ -86,8 +86,9 @@ class FP32:
             parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
             torch.nn.utils.clip_grad_norm_(parameters, self.clip_grad_norm)
 
-    def forget_step(self) -> None:
-        """A step begun and never applied (a CUDA-graph capture that failed: common.cuda_graphs): none of it kept."""
+    def forget_step(self, optimizer: Optimizer) -> None:
+        """A step of `optimizer` begun and never applied (a CUDA-graph capture that failed: common.cuda_graphs):
+        none of it kept."""
 
     def last_step_skipped(self) -> bool:
         """Whether the last step() left the weights as they were (fp16's scaler skips overflowing steps)."""
@@ -189,10 +190,17 @@ class MixedPrecision(FP32):
         self._skipped_now.add_(skipped)
         self._last_skipped.copy_(skipped)
 
-    def forget_step(self) -> None:
+    def forget_step(self, optimizer: Optimizer) -> None:
         """The scaler's record of a step begun and never applied (unscaled, inf-checked): cleared, so the next
-        step's unscale_ and step start afresh (GradScaler has no public call for it; update() clears it so)."""
+        step's unscale_ and step start afresh (GradScaler has no public call for it; update() clears it so).
+        And what GradScaler.step hands a fused optimizer (torch 2.14's amp/grad_scaler.py): it sets
+        optimizer.grad_scale and found_inf before optimizer.step and deletes them only once that returns, so a
+        step that failed inside leaves them; the next step's scale would be multiplied by the stale one, its
+        gradients unscaled twice. (After --clip-grad-norm's unscale_, the scale it hands is None.)"""
         self.scaler._per_optimizer_states.clear()
+        for handed in ("grad_scale", "found_inf"):
+            if hasattr(optimizer, handed):
+                delattr(optimizer, handed)
 
     def last_step_skipped(self) -> bool:
         """Whether the scaler skipped the last step: a host read of a device

@@ -97,7 +97,7 @@ def run(plan: Plan, ctx: Context, log: RunLog, model: nn.Module, optimizer: Opti
     guard = LossGuard(ctx, cfg.max_nonfinite_steps)
     mixing = None if cfg.evaluate else _batch_mixing(cfg, loaders.num_classes, log)
     ema = plan.model_ema(model, evaluating=cfg.evaluate)
-    graphed = _graphed_step(cfg, ctx, log, model, criterion, optimizer, policy, mixing, comm_hook)
+    graphed = _graphed_step(cfg, ctx, log, model, criterion, optimizer, policy, comm_hook)
 
     def trainer(checkpointer: Optional[Checkpointer]) -> Trainer:
         return Trainer(model, criterion, optimizer, plan.schedule, policy, ctx, log, print_freq=cfg.print_freq,
@@ -150,16 +150,12 @@ def _batch_mixing(cfg: Config, num_classes: int, log: RunLog) -> Optional[BatchM
 
 
 def _graphed_step(cfg: Config, ctx: Context, log: RunLog, model: nn.Module, criterion: nn.Module,
-                  optimizer: Optimizer, policy, mixing: Optional[BatchMixing],
-                  comm_hook: Optional[CommHook] = None) -> Optional[GraphedStep]:
+                  optimizer: Optimizer, policy, comm_hook: Optional[CommHook] = None) -> Optional[GraphedStep]:
     """--cuda-graphs: the training step to capture, or None (eager steps, or --evaluate's none); which, and
     why, said once. `comm_hook`: a DDP model's, whose stream (the one DDP was made on) the step is captured on."""
     if cfg.evaluate:
         return None
-    choice = cuda_graphs.choose(cfg.cuda_graphs, ctx.device, model, accum_steps=cfg.accum_steps,
-                                mixing=mixing is not None, model_ema=cfg.model_ema,
-                                max_nonfinite_steps=cfg.max_nonfinite_steps, compile=cfg.compile,
-                                comm_hook=cfg.ddp_comm_hook, sync_bn=cfg.sync_bn)
+    choice = cuda_graphs.choose(cfg, ctx.device, model)
     if choice.note:
         log.info(choice.note)
     if not choice.capture:

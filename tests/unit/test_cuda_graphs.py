@@ -3,7 +3,9 @@ graph replays the same function over the same static buffers; on a GPU (`gpu`), 
 eager steps."""
 import contextlib
 import copy
+import dataclasses
 import types
+import weakref
 
 import pytest
 import torch
@@ -216,7 +218,7 @@ def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
     with policy.autocast():
         policy.backward(nn.functional.cross_entropy(model(sample.image), sample.target))
     policy.scaler.unscale_(optimizer)
-    policy.forget_step()
+    policy.forget_step(optimizer)
     before = model[5].weight.detach().clone()
     with policy.autocast():
         loss = nn.functional.cross_entropy(model(sample.image), sample.target)
@@ -224,10 +226,105 @@ def test_a_step_the_scaler_began_is_forgotten_and_the_next_one_runs():
     assert not torch.equal(model[5].weight, before)
 
 
-def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses_its_weights(monkeypatch):
-    """DDP's constructor copies rank 0's weights into every process's model on the stream current then (a
-    non-blocking copy after its broadcast): under --cuda-graphs on a side stream, which the training stream
-    (the first step, a resume's load) must wait for. Stand-in streams and DDP record the order."""
+def capture_refused_in(owner, name: str, model: nn.Module):
+    """A stand-in capture that runs the step until it calls `owner.name`, which raises as CUDA does at a call
+    that waits for the host: what the step set up to there (the scaler's attributes on the optimizer, the
+    gradients) stays, as after a real capture. A real capture runs no kernel, so the model's weights and
+    BatchNorm's statistics are put back as they were."""
+
+    class RefusedCapture:
+        def __init__(self, body, stream):
+            as_before = copy.deepcopy(model.state_dict())
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+            setattr(owner, name, refuse)
+            try:
+                body()
+            finally:
+                delattr(owner, name)
+                model.load_state_dict(as_before)
+
+    return RefusedCapture
+
+
+def test_a_capture_that_fails_inside_the_optimizer_step_leaves_no_scale_for_the_next_step():
+    """GradScaler.step hands fused SGD the scale and found_inf as attributes of the optimizer and deletes them
+    only once its step returns: a capture that fails inside the step leaves them, and the next eager step would
+    take the stale scale times its own (its gradients unscaled twice). The steps after the failure train exactly
+    as eager steps do."""
+    model = small_model()
+    optimizer = fused_sgd(model)
+    ctx = distributed.single_process("cpu")
+    lines = []
+    graphed = GraphedStep(model, nn.CrossEntropyLoss(), optimizer, fp16_on_cpu(), ctx.device, 2, say=lines.append,
+                          capture_with=capture_refused_in(optimizer, "step", model))
+    trainer = engine.Trainer(model, nn.CrossEntropyLoss(), optimizer, SCHEDULE, graphed.precision, ctx,
+                             telemetry.RunLog(ctx), graphed=graphed)
+    losses = losses_of_steps(trainer, [batch(index) for index in range(6)])
+    assert lines == ["cuda graphs: the training step could not be captured (CUDA error: operation not permitted "
+                     "when stream is capturing); every training step eager from here"]
+    assert_same_state(train(fp16_on_cpu(), 6), (model, optimizer, losses))
+
+
+def test_what_a_failed_capture_made_is_let_go_before_the_eager_step():
+    """The error of a failed capture holds, in its traceback, the tensors the capture made (on a GPU, in the
+    graph's private pool: the loss, the logits, what autograd saved for the backward pass): let go before the
+    step is run eagerly, and before the allocator's cache is emptied, so that their memory goes back."""
+    model = small_model()
+    optimizer = fused_sgd(model)
+    made_in_capture, alive_at_eager_steps = [], []
+
+    class WatchedLoss(nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            loss = super().forward(logits, target)
+            if "step" in vars(optimizer):  # the stand-in capture refuses optimizer.step: capturing
+                made_in_capture.append(weakref.ref(loss))
+            else:
+                alive_at_eager_steps.append(sum(made() is not None for made in made_in_capture))
+            return loss
+
+    ctx = distributed.single_process("cpu")
+    graphed = GraphedStep(model, WatchedLoss(), optimizer, precision.FP32(), ctx.device, 2, say=[].append,
+                          capture_with=capture_refused_in(optimizer, "step", model))
+    trainer = engine.Trainer(model, WatchedLoss(), optimizer, SCHEDULE, precision.FP32(), ctx, telemetry.RunLog(ctx),
+                             graphed=graphed)
+    losses_of_steps(trainer, [batch(index) for index in range(4)])
+    assert len(made_in_capture) == 1  # at the third step
+    assert alive_at_eager_steps == [0, 0, 0, 0]  # two before the capture, the third step's and the fourth
+
+
+def test_a_capture_whose_end_fails_gives_its_graph_back_and_the_stream_it_found(monkeypatch):
+    """torch.cuda.graph's exit calls capture_end, which throws for a capture that went wrong, before the exit
+    would make the stream it found current again. CudaGraph does that, and resets the graph at once rather than
+    when the error's traceback lets it go: torch 2.14's CUDAGraph.h says reset() releases the private memory pool
+    of a failed capture and ends the allocator's routing to it. Stand-ins for torch.cuda's graph and streams."""
+    events = []
+
+    class Graph:
+        def reset(self):
+            events.append("graph reset")
+
+    @contextlib.contextmanager
+    def capturing(graph, stream, capture_error_mode):
+        events.append(f"capture on the {stream} ({capture_error_mode})")
+        yield
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")  # capture_end's
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "training stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: events.append(f"{stream} current"))
+    with pytest.raises(RuntimeError, match=r"^CUDA error: operation not permitted when stream is capturing$"):
+        cuda_graphs.CudaGraph(lambda: events.append("step captured"), "side stream")
+    assert events == ["capture on the side stream (thread_local)", "step captured", "training stream current",
+                      "graph reset"]
+
+
+def ddp_on_stand_in_streams(monkeypatch, **options):
+    """comm.distributed_model on rank 1 of 2 on a stand-in GPU, with `options` over the defaults: the order in
+    which DDP was made and streams waited (stand-in streams and DDP record it), and the hook it returns."""
     events = []
 
     class Stream:
@@ -245,22 +342,45 @@ def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses
         yield
         current.pop()
 
-    def ddp(model, **options):
+    def ddp(model, **ddp_options):
         events.append(f"DDP made on the {current[-1].name}")
-        return model
+        return types.SimpleNamespace(register_comm_hook=lambda state, hook: None)
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side stream"))
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(nn.parallel, "DistributedDataParallel", ddp)
     ctx = distributed.Context(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 1), backend="nccl")
-    options = dict(ddp_comm_hook="none", bucket_cap_mb=None, static_graph=True)
-    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="on", **options), ctx)
+    cfg = dataclasses.replace(cli.parse("ddp", ["--synthetic"]), static_graph=True, **options)
+    _, hook = comm.distributed_model(nn.Linear(2, 2), cfg, ctx)
+    return events, hook
+
+
+def test_ddp_made_on_a_side_stream_is_waited_for_before_the_training_stream_uses_its_weights(monkeypatch):
+    """DDP's constructor copies rank 0's weights into every process's model on the stream current then (a
+    non-blocking copy after its broadcast): under --cuda-graphs on a side stream, which the training stream
+    (the first step, a resume's load) must wait for."""
+    events, hook = ddp_on_stand_in_streams(monkeypatch, cuda_graphs="on")
     assert events == ["DDP made on the side stream", "training stream waits for side stream"]
     assert hook.stream.name == "side stream"  # for the warm-up and the capture (the next test)
-    events.clear()
-    _, hook = comm.distributed_model(nn.Linear(2, 2), types.SimpleNamespace(cuda_graphs="off", **options), ctx)
-    assert events == ["DDP made on the training stream"] and hook.stream is None  # off and auto: as before
+    for setting in ("off", "auto"):  # as before
+        events, hook = ddp_on_stand_in_streams(monkeypatch, cuda_graphs=setting)
+        assert events == ["DDP made on the training stream"] and hook.stream is None
+
+
+@pytest.mark.parametrize("blocker", [dict(accum_steps=2), dict(model_ema=True), dict(sync_bn=True),
+                                     dict(ddp_comm_hook="fp16"), dict(mixup_alpha=0.2), dict(compile=True),
+                                     dict(max_nonfinite_steps=1)])
+def test_ddp_stays_on_the_training_stream_when_an_option_keeps_every_step_eager(monkeypatch, blocker):
+    """--cuda-graphs on with an option that keeps the step eager: eager steps run on the training stream, and a DDP
+    made on a side stream would have every gradient of every step cross streams (torch's AccumulateGrad
+    stream-mismatch warning on every rank, a sync per step). The same options choose() names."""
+    events, hook = ddp_on_stand_in_streams(monkeypatch, cuda_graphs="on", **blocker)
+    assert events == ["DDP made on the training stream"] and hook.stream is None
+    cfg = dataclasses.replace(cli.parse("ddp", ["--synthetic"]), cuda_graphs="on", **blocker)
+    choice = choose(cfg, torch.device("cuda"), nn.Linear(2, 2))
+    assert not choice.capture and choice.note.startswith("--cuda-graphs on: every training step eager, for ")
+    assert "; " not in choice.note  # that option's reason alone
 
 
 def test_the_step_of_a_ddp_model_is_warmed_up_and_captured_on_the_stream_ddp_was_made_on(monkeypatch):
@@ -275,10 +395,10 @@ def test_the_step_of_a_ddp_model_is_warmed_up_and_captured_on_the_stream_ddp_was
     model = small_model()
     stream = object()  # a stand-in for DDP's side stream
     assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
-                                 precision.FP32(), None, comm.CommHook(stream=stream)) == "graphed"
+                                 precision.FP32(), comm.CommHook(stream=stream)) == "graphed"
     assert made[0]["stream"] is stream
     assert session._graphed_step(cfg, ctx, telemetry.RunLog(ctx), model, nn.CrossEntropyLoss(), fused_sgd(model),
-                                 precision.FP32(), None) == "graphed"
+                                 precision.FP32()) == "graphed"
     assert made[1]["stream"] is None  # no DDP: a stream of the GraphedStep's own
 
 
@@ -435,10 +555,16 @@ def test_the_eager_fp16_step_with_foreach_sgd_reads_the_skip_on_the_host(host_re
 
 # --- which runs capture, said once ---
 
+def graphs(setting: str, **options):
+    """A DDP run's Config with --cuda-graphs `setting` and `options`, made past the command line's check (which
+    refuses on without a GPU here)."""
+    return dataclasses.replace(cli.parse("ddp", ["--synthetic"]), cuda_graphs=setting, **options)
+
+
 def test_on_without_a_gpu_is_one_line():
     with pytest.raises(UsageError, match=r"^argument --cuda-graphs: on needs a CUDA GPU, and this process trains on "
                                          r"the CPU \(use auto or off\)$"):
-        choose("on", torch.device("cpu"), nn.Linear(2, 2))
+        choose(graphs("on"), torch.device("cpu"), nn.Linear(2, 2))
     with pytest.raises(UsageError, match=r"^argument --cuda-graphs: on needs a CUDA GPU, and --device cpu trains on "
                                          r"the CPU \(use auto or off\)$"):
         cli.parse("nd", ["--synthetic", "--device", "cpu", "--cuda-graphs", "on"])
@@ -447,26 +573,27 @@ def test_on_without_a_gpu_is_one_line():
 
 def test_auto_and_off_stay_eager_and_on_says_what_keeps_it_eager():
     gpu, cpu, model = torch.device("cuda"), torch.device("cpu"), nn.Linear(2, 2)  # a device object: no GPU used
-    assert choose("off", gpu, model).note is None and not choose("off", gpu, model).capture
-    assert choose("auto", cpu, model).note is None and not choose("auto", cpu, model).capture
-    auto = choose("auto", gpu, model)
+    assert choose(graphs("off"), gpu, model).note is None and not choose(graphs("off"), gpu, model).capture
+    assert choose(graphs("auto"), cpu, model).note is None and not choose(graphs("auto"), cpu, model).capture
+    auto = choose(graphs("auto"), gpu, model)
     assert not auto.capture and "run_scripts/gpu_check.sh" in auto.note
-    on = choose("on", gpu, model)
+    on = choose(graphs("on"), gpu, model)
     assert on.capture and on.warmup_steps == WARMUP_STEPS == 3
     assert on.note == ("--cuda-graphs on: the training step captured in a CUDA graph after 3 eager steps, then "
                        "replayed; a batch of another shape and validation run eagerly")
     ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)  # the type is enough
-    assert choose("on", gpu, ddp).warmup_steps == DDP_WARMUP_STEPS == 11
-    blocked = choose("on", gpu, nn.DataParallel(model), accum_steps=2, mixing=True, model_ema=True,
-                     max_nonfinite_steps=1, compile=True, comm_hook="powersgd", sync_bn=True)
+    assert choose(graphs("on"), gpu, ddp).warmup_steps == DDP_WARMUP_STEPS == 11
+    blocked = choose(graphs("on", accum_steps=2, cutmix_alpha=1.0, model_ema=True, max_nonfinite_steps=1,
+                            compile=True, ddp_comm_hook="powersgd", sync_bn=True), gpu, nn.DataParallel(model))
     assert not blocked.capture
     assert blocked.note == (
-        "--cuda-graphs on: every training step eager, for --accum-steps 2 (micro-batches, the first under DDP's "
-        "no_sync); MixUp/CutMix (drawn on the host each step); --model-ema (its update asks the host whether the "
-        "step was skipped); --max-nonfinite-steps 1 (the host reads each loss before the update); DataParallel "
-        "(it scatters each batch from the host); --compile (torch.compile makes graphs of its own); "
+        "--cuda-graphs on: every training step eager, for DataParallel (it scatters each batch from the host); "
+        "--accum-steps 2 (micro-batches, the first under DDP's no_sync); MixUp/CutMix (drawn on the host each "
+        "step); --model-ema (its update asks the host whether the step was skipped); --max-nonfinite-steps 1 (the "
+        "host reads each loss before the update); --compile (torch.compile makes graphs of its own); "
         "--ddp-comm-hook powersgd (the hook keeps state on the host); --sync-bn (not captured yet)")
-    assert choose("on", gpu, model, max_nonfinite_steps=1).note.endswith("(the host reads each loss before the update)")
+    assert choose(graphs("on", max_nonfinite_steps=1), gpu, model).note.endswith(
+        "(the host reads each loss before the update)")
 
 
 # --- on a GPU: the real graph against eager steps ---
