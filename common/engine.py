@@ -141,10 +141,12 @@ def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: O
 def sgd_implementation(on_gpu: bool, loss_scaling: bool) -> dict:
     """fused (one kernel for all parameters) on GPUs, foreach (a few
     multi-tensor kernels) elsewhere and under fp16 loss scaling: torch's fused
-    SGD (2.11 to 2.15 at least) writes its momentum buffers on a step the
-    GradScaler skips for overflowing gradients, and on the first step leaves
-    them uninitialised, so the routine overflow of the first fp16 steps turns
-    the weights to NaN one step later (tests/e2e/test_precision.py shows it)."""
+    SGD (2.11 to 2.15 at least) makes its momentum buffers uninitialised on its
+    first step and leaves them so when the GradScaler skips that step for
+    overflowing gradients (a later skipped step leaves them as they were), so
+    the routine overflow of the first fp16 steps turns the weights to NaN one
+    step later (tests/e2e/test_precision.py shows it). --cuda-graphs on makes
+    them zeros first and then uses fused SGD (common.cuda_graphs)."""
     return {"fused": True} if on_gpu and not loss_scaling else {"foreach": True}
 
 
