@@ -66,7 +66,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from common.config import Config, cuda_graph_blockers
-from common.errors import UsageError
+from common.errors import UsageError, error_summary
 from common.files import format_bytes
 from common.loss_guard import nonfinite_flags
 
@@ -211,8 +211,8 @@ class GraphedStep:
         except RuntimeError as error:
             if self.ddp:  # its reducer stopped mid-backward, and every process must take the same path: no going on
                 raise UsageError(f"argument --cuda-graphs: on: the training step could not be captured under DDP "
-                                 f"({_first_line(error)}); run with --cuda-graphs off") from None
-            failure = _first_line(error)
+                                 f"({error_summary(error)}); run with --cuda-graphs off") from None
+            failure = error_summary(error)
         if failure is not None:  # out of the except: the error's traceback, and the capture's tensors it holds, gone
             return self._eager_for_good(images, target, failure)
         self.shape = shape
@@ -281,12 +281,6 @@ class GraphedStep:
                 state = self.optimizer.state[parameter]
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-
-
-def _first_line(error: Exception) -> str:
-    """An error's first line (CUDA's add advice on more lines), or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _shape_of(images: torch.Tensor, target: torch.Tensor) -> tuple:
