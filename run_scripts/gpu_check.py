@@ -68,12 +68,13 @@ MATRIX_RUN_SECONDS = 40  # one digits run on an H200 took about 26 s (2026-11-26
 # cold machine, which 40 s did not leave room for; a guess, not timed yet.
 MATRIX_FIRST_RUN_SECONDS = 60
 MATRIX_RUNS = 10  # gpu_demo_matrix.sh's: nd, dp, ddp, O0, O1-O3 in fp16 and in bf16
-# The default GPU step, as the benchmark's "ddp_apex O2 channels_last" configuration runs it (its
-# Settings.synthetic_workers: -j 4), left to its own defaults: --opt-level auto is O2 on a GPU. The first 15 steps are
-# left out of the throughput and the profile: --cuda-graphs on captures at step 12 under DDP (11 eager steps first),
-# and neither figure should hold the capture; eager runs leave out as many, to compare alike.
+# The default GPU step, as the benchmark's "ddp_apex O2 channels_last" configuration runs it, left to its own
+# defaults: --opt-level auto is O2 on a GPU, -j the scripts' default (the bench's synthetic rows on a GPU use it
+# too: Settings.synthetic_workers). The first 15 steps are left out of the throughput and the profile: --cuda-graphs
+# on captures at step 12 under DDP (11 eager steps first), and neither figure should hold the capture; eager runs
+# leave out as many, to compare alike.
 STEP_FLAGS = ("imagenet_ddp_apex.py", "--synthetic", "-a", "resnet50", "-b", "256", "--nproc-per-node", "1",
-              "-j", "4", "--epochs", "1", "--checkpoint-every", "0", "--throughput-warmup-steps", "15")
+              "--epochs", "1", "--checkpoint-every", "0", "--throughput-warmup-steps", "15")
 # A test marked gpu: `@pytest.mark.gpu` before it, or a module's `pytestmark = pytest.mark.gpu` (or a list holding it).
 GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.MULTILINE)
 BENCH_FLAGS = ("-m", "common.tools.bench", "--device", "cuda", "--sections", "train", "end-to-end",
