@@ -89,8 +89,8 @@ def _add_section_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
                         help="default: all on a GPU, all but decode on the CPU. decode: DALI's decoders alone, "
                              "images/s of whole files and of the training's crops at hw_decoder_load 0, 0.65 and "
-                             "0.9 (on the CPU DALI's CPU decoder, a baseline labelled so); data-scale: an ImageNet-sized file list's start-up time and memory (common/tools/"
-                             "bench/data_scale.py), on a tree of hard links built once into --data-cache; comm: "
+                             "0.9 (on the CPU DALI's CPU decoder, a baseline labelled so); data-scale: an "
+                             "ImageNet-sized file list's start-up time and memory (common/tools/bench/data_scale.py), on a tree of hard links built once into --data-cache; comm: "
                              "all-reduce bandwidth against message size among --comm-world-size processes; scaling: "
                              "a DDP step at 1 and --comm-world-size processes split into compute, exposed "
                              "communication and data wait, per communication hook (common/tools/bench/comm_bench.py); "
